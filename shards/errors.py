@@ -1,0 +1,26 @@
+"""Errors shared by every phase: bad data raises `ShardError`, bad settings `ValueError`.
+
+Each message names the file, sample and field at fault and, where there is one, the fix.
+"""
+
+from __future__ import annotations
+
+
+class ShardError(Exception):
+    """A cache, shard or frame is malformed, corrupt, or does not match what was asked."""
+
+
+class CorruptFrame(ShardError):
+    """A frame's checksum or decoded size does not match its index entry."""
+
+
+class ManifestMismatch(ShardError):
+    """Two manifests (a resume, or a training run against a cache) disagree on fields that matter."""
+
+    def __init__(self, what: str, differences: list[str]):
+        self.differences = differences
+        super().__init__(f"{what}: " + "; ".join(differences))
+
+
+class DiskFull(ShardError):
+    """The filesystem ran out of space; everything committed so far is intact."""

@@ -9,7 +9,9 @@ from collections.abc import Callable, Sequence
 from .errors import ShardError
 
 
-def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None, prog: str) -> int:
+def run_main(
+    main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None, prog: str
+) -> int:
     """Call `main(argv)`; turn user-facing errors into `prog: error: message` on stderr and exit code 2."""
     try:
         return int(main(argv) or 0)
@@ -21,7 +23,10 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         return 2
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            print(f"{prog}: error: no space left on device ({exc.filename or 'output'}); "
-                  "committed work is intact, free space and re-run the same command to resume", file=sys.stderr)
+            print(
+                f"{prog}: error: no space left on device ({exc.filename or 'output'}); "
+                "committed work is intact, free space and re-run the same command to resume",
+                file=sys.stderr,
+            )
             return 2
         raise

@@ -1,0 +1,155 @@
+"""`dflash-extract`: run a frozen target over a tokenized dataset and write the hidden-state cache.
+
+    dflash-extract --target DIR --dataset PATH --out CACHE [--layers 1,9,17|all | --num-draft-layers K]
+                   [--codec lossless|fp8] [--max-len N] [--overlong truncate|skip] [--token-budget N]
+                   [--dry-run] [--json] ...
+
+`--dry-run` opens only the target's config.json and the dataset: it validates, plans and prints the
+cache size per codec next to the free disk space. It imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from dflash.shards.cli import run_main
+
+from .config import CODECS, DTYPES, OVERLONG_POLICIES, ColumnNames, ExtractConfig, GiB
+
+PROG = "dflash-extract"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # One line through run_main, not argparse's usage block + exit.
+        raise ValueError(f"{message} (see {PROG} --help)")
+
+
+def _layers(text: str) -> list[int] | str:
+    if text.strip() == "all":
+        return "all"
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer ids like 1,9,17 or 'all', got {text!r}"
+        ) from None
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a byte size like 1GiB or 536870912, got {text!r}"
+        ) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--target", required=True, help="HF model directory of the frozen target (config.json + weights)"
+    )
+    p.add_argument(
+        "--dataset", required=True, help="save_to_disk dir, Arrow IPC file/dir or Parquet file/dir"
+    )
+    p.add_argument("--out", default=None, help="cache directory to write (optional with --dry-run)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--layers", type=_layers, default=None, help="target layer ids to capture, e.g. 1,9,17, or 'all'"
+    )
+    which.add_argument(
+        "--num-draft-layers",
+        type=int,
+        default=None,
+        help="K for the DFlash default layer rule (default 5 when --layers is not given)",
+    )
+    p.add_argument("--codec", choices=CODECS, default="lossless", help="feature codec of the cache")
+    p.add_argument("--max-len", type=int, default=3072, help="longest sequence extracted (tokens)")
+    p.add_argument(
+        "--overlong", choices=OVERLONG_POLICIES, default="truncate", help="what to do with longer rows"
+    )
+    p.add_argument("--token-budget", type=int, default=16384, help="padded tokens per forward batch")
+    p.add_argument("--pad-multiple", type=int, default=1, help="round each batch's padded length up to this")
+    p.add_argument(
+        "--unit-size", type=_size, default=GiB, help="stored bytes per work unit / shard (e.g. 1GiB)"
+    )
+    p.add_argument("--input-ids-column", default="input_ids")
+    p.add_argument("--loss-mask-column", default="loss_mask")
+    p.add_argument(
+        "--seq-len-column", default="seq_len", help="used when present, else derived from the lists"
+    )
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="compute dtype of the target")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
+    p.add_argument("--force", action="store_true", help="skip the free-disk-space pre-flight check")
+    p.add_argument(
+        "--encode-threads", type=int, default=None, help="codec threads (default: from the CPU count)"
+    )
+    p.add_argument("--queue-depth", type=int, default=4, help="batches in flight between pipeline stages")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dry-run", action="store_true", help="validate and plan only; print sizes and free space"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None) -> ExtractConfig:
+    args = build_parser().parse_args(argv)
+    return ExtractConfig(
+        target=args.target,
+        dataset=args.dataset,
+        out=args.out,
+        layers=args.layers,
+        num_draft_layers=args.num_draft_layers,
+        codec=args.codec,
+        max_len=args.max_len,
+        overlong=args.overlong,
+        token_budget=args.token_budget,
+        pad_multiple=args.pad_multiple,
+        unit_bytes=args.unit_size,
+        columns=ColumnNames(
+            input_ids=args.input_ids_column, loss_mask=args.loss_mask_column, seq_len=args.seq_len_column
+        ),
+        dtype=args.dtype,
+        device=args.device,
+        trust_remote_code=args.trust_remote_code,
+        force=args.force,
+        dry_run=args.dry_run,
+        json=args.json,
+        num_encode_threads=args.encode_threads,
+        queue_depth=args.queue_depth,
+        seed=args.seed,
+    )
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    config = config_from_args(argv)
+    if config.dry_run:
+        from .dryrun import run_dry_run
+
+        run_dry_run(config)
+        return 0
+    from .pipeline import run_extraction  # torch + transformers: imported only for a real run
+
+    run_extraction(config)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_main(_main, argv, PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

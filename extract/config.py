@@ -1,0 +1,157 @@
+"""`ExtractConfig`: every setting of `dflash-extract`, checked once, up front.
+
+Kept free of heavy imports (no torch, no pyarrow) so `--dry-run` and `--help` start fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+CODECS = ("lossless", "fp8")
+OVERLONG_POLICIES = ("truncate", "skip")
+DTYPES = ("bfloat16", "float32", "auto")
+DEFAULT_NUM_DRAFT_LAYERS = 5
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ColumnNames:
+    """Names of the dataset columns. `seq_len` is optional in the data: derived from the list offsets when absent."""
+
+    input_ids: str = "input_ids"
+    loss_mask: str = "loss_mask"
+    seq_len: str = "seq_len"
+
+    def __post_init__(self) -> None:
+        names = (self.input_ids, self.loss_mask, self.seq_len)
+        if any(not isinstance(n, str) or not n for n in names):
+            raise ValueError(f"column names must be non-empty strings, got {names}")
+        if len(set(names)) != 3:
+            raise ValueError(
+                f"input_ids, loss_mask and seq_len columns must differ, got {names}; pass distinct --*-column names"
+            )
+
+    def to_dict(self) -> dict[str, str]:
+        return {"input_ids": self.input_ids, "loss_mask": self.loss_mask, "seq_len": self.seq_len}
+
+
+def resolve_layers(
+    num_hidden_layers: int, layers: list[int] | str | None = None, num_draft_layers: int | None = None
+) -> list[int]:
+    """The target layers to capture (0-based decoder-layer outputs), sorted and unique.
+
+    `layers` wins ('all' = every decoder layer); otherwise the DFlash default rule for K =
+    `num_draft_layers` (5 when not given): K ids evenly spaced from 1 to L-3,
+    `round(1 + i*(L-4)/(K-1))` with Python's round; one feature -> [L//2]. For targets so shallow that
+    the rule repeats an id, the id is captured once (the trainer's rule indexes the same layer).
+    """
+    L = int(num_hidden_layers)
+    if L < 1:
+        raise ValueError(f"num_hidden_layers must be >= 1, got {num_hidden_layers}")
+    if layers is not None and num_draft_layers is not None:
+        raise ValueError("give either layers or num_draft_layers, not both")
+    if isinstance(layers, str):
+        if layers != "all":
+            raise ValueError(f"layers must be a list of ints or 'all', got {layers!r}")
+        return list(range(L))
+    if layers is not None:
+        ids = [int(i) for i in layers]
+        bad = [i for i in ids if not 0 <= i < L]
+        if bad:
+            raise ValueError(
+                f"layer ids {bad} are outside [0, {L}) for this {L}-layer target; pick ids 0..{L - 1}"
+            )
+        return sorted(set(ids))
+    k = DEFAULT_NUM_DRAFT_LAYERS if num_draft_layers is None else int(num_draft_layers)
+    if k < 1:
+        raise ValueError(f"num_draft_layers must be >= 1, got {k}")
+    if k == 1:
+        return [L // 2]
+    ids = [round(1 + i * (L - 4) / (k - 1)) for i in range(k)]
+    if min(ids) < 0 or max(ids) >= L:
+        raise ValueError(
+            f"a {L}-layer target is too shallow for the default layer rule (got {ids}); pass --layers explicitly"
+        )
+    return sorted(set(ids))
+
+
+@dataclass(kw_only=True, slots=True)
+class ExtractConfig:
+    """Settings of one extraction (or dry run). See `dflash-extract --help` for each field."""
+
+    target: Path
+    dataset: Path
+    out: Path | None = None
+    layers: list[int] | Literal["all"] | None = None
+    num_draft_layers: int | None = None
+    codec: str = "lossless"
+    max_len: int = 3072
+    overlong: str = "truncate"
+    token_budget: int = 16384
+    pad_multiple: int = 1
+    unit_bytes: int = GiB
+    columns: ColumnNames = field(default_factory=ColumnNames)
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    trust_remote_code: bool = False
+    force: bool = False
+    dry_run: bool = False
+    json: bool = False
+    num_encode_threads: int | None = None
+    queue_depth: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.target = Path(self.target)
+        self.dataset = Path(self.dataset)
+        if self.out is not None:
+            self.out = Path(self.out)
+        elif not self.dry_run:
+            raise ValueError("out is required (the cache directory to write); pass --out CACHE")
+        if self.layers is not None and self.num_draft_layers is not None:
+            raise ValueError(
+                f"give either layers ({self.layers}) or num_draft_layers ({self.num_draft_layers}), not both"
+            )
+        if isinstance(self.layers, str):
+            if self.layers != "all":
+                raise ValueError(f"layers must be a list of layer ids or 'all', got {self.layers!r}")
+        elif self.layers is not None:
+            ids = list(self.layers)
+            if not ids or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+                raise ValueError(f"layers must be a non-empty list of layer ids >= 0, got {self.layers!r}")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"layers has duplicates: {ids}; list each layer once")
+            self.layers = sorted(ids)
+        if self.num_draft_layers is not None and self.num_draft_layers < 1:
+            raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
+        _check_choice("codec", self.codec, CODECS)
+        _check_choice("overlong", self.overlong, OVERLONG_POLICIES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        if self.max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {self.max_len}")
+        if self.token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1 padded tokens per batch, got {self.token_budget}")
+        if self.pad_multiple < 1:
+            raise ValueError(f"pad_multiple must be >= 1, got {self.pad_multiple}")
+        if self.unit_bytes < 1 << 20:
+            raise ValueError(f"unit_bytes must be >= 1 MiB (one shard per unit), got {self.unit_bytes}")
+        if not isinstance(self.columns, ColumnNames):
+            raise ValueError(f"columns must be a ColumnNames, got {type(self.columns).__name__}")
+        if not self.device or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith(("cuda:", "mps"))
+        ):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.num_encode_threads is not None and self.num_encode_threads < 1:
+            raise ValueError(f"num_encode_threads must be >= 1, got {self.num_encode_threads}")
+        if self.queue_depth < 1:
+            raise ValueError(f"queue_depth must be >= 1, got {self.queue_depth}")
+
+    def resolved_layers(self, num_hidden_layers: int) -> list[int]:
+        return resolve_layers(num_hidden_layers, self.layers, self.num_draft_layers)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

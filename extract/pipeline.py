@@ -1,0 +1,387 @@
+"""`run_extraction(config)`: dataset -> plan -> (resumable, multi-process) staged extraction -> one cache.
+
+Order of a run (each rank): read the target's config, open + validate the dataset, plan batches and
+work units (deterministic), take this rank's lock; rank 0 checks or writes the manifest (refusing a
+cache made with other settings), checks free disk space, copies the frozen target parts and marks
+the cache ready; other ranks wait for that. Each rank then extracts its uncommitted units
+(u % world_size == rank) through the stages of `stages.py`. Rank 0 finally waits for the others
+(taking over the units of ranks that died), and finalizes the manifest when every unit is committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.shards.codecs import get_codec
+from dflash.shards.errors import ShardError
+from dflash.shards.manifest import Manifest, ShardInfo, save_manifest, target_info
+from dflash.shards.writer import ShardMeta, shard_name
+
+from .config import ExtractConfig
+from .dataset import open_dataset
+from .plan import Batch, WorkUnit, bytes_per_token, plan_batches, plan_units
+from .stages import Channel, GpuStep, StageClock, StageStats, Stopped, drain, load_batches, write_shards
+from .target import load_target, read_target_info
+from .target_parts import write_target_parts
+from .units import (
+    SHARDS_DIR,
+    RankInfo,
+    RunLocks,
+    assign_units,
+    check_or_write_manifest,
+    committed_units,
+    remove_stale_temp_files,
+)
+from .validate import validate
+
+log = logging.getLogger(__name__)
+GB = 1e9
+
+
+@dataclass(kw_only=True, slots=True)
+class ExtractResult:
+    """What one process did (and whether the cache is now complete); `to_dict` is the --json output."""
+
+    cache: str
+    complete: bool
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    units_total: int = 0
+    units_done: int = 0  # by this process in this run
+    units_committed: int = 0  # in the cache, all runs and ranks
+    rows: int = 0
+    rows_skipped: int = 0
+    tokens: int = 0
+    bytes_written: int = 0
+    raw_bytes: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    gpu_compute_s: float = 0.0
+    gpu_wait_fraction: float = 0.0
+    encode_cpu_s: float = 0.0
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_written / self.tokens if self.tokens else 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.bytes_written if self.bytes_written else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(tokens_per_s=self.tokens_per_s, bytes_per_token=self.bytes_per_token, ratio=self.ratio,
+                 cpu_cores_used=self.cpu_seconds / self.seconds if self.seconds else 0.0)
+        return d
+
+
+def format_summary(r: ExtractResult) -> str:
+    """The closing table: totals, then each stage's busy and waiting seconds."""
+    lines = [
+        f"cache {r.cache}: {'complete' if r.complete else 'INCOMPLETE'}, units {r.units_committed}/{r.units_total} "
+        f"committed ({r.units_done} by this process, rank {r.rank}/{r.world_size} on {r.device})",
+        f"rows {r.rows:,}  tokens {r.tokens:,}  in {r.seconds:,.1f} s = {r.tokens_per_s:,.0f} tokens/s; "
+        f"{r.bytes_written / 1e6:,.1f} MB written, {r.bytes_per_token:,.0f} B/token, ratio {r.ratio:.2f}x; "
+        f"CPU cores used {r.cpu_seconds / max(r.seconds, 1e-9):.1f}",
+        f"GPU (forward) wait fraction {r.gpu_wait_fraction:.1%}  (compute {r.gpu_compute_s:,.1f} s)",
+        f"{'stage':<10}{'busy s':>10}{'wait in s':>11}{'wait out s':>12}{'waiting':>9}",
+    ]
+    for name, s in r.stages.items():
+        lines.append(f"{name:<10}{s['busy_s']:>10.2f}{s['wait_in_s']:>11.2f}{s['wait_out_s']:>12.2f}{s['wait_fraction']:>9.1%}")
+    return "\n".join(lines)
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    if device == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if device == "cuda":
+        return torch.device(f"cuda:{local_rank}")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+
+
+def plan_digest(batches: list[Batch], units: list[WorkUnit]) -> str:
+    """sha256 of the plan: every batch's rows and lengths and the unit boundaries."""
+    h = hashlib.sha256()
+    for b in batches:
+        h.update(np.ascontiguousarray(b.rows, dtype="<i8").tobytes())
+        h.update(np.ascontiguousarray(b.lengths, dtype="<i8").tobytes())
+        h.update(b"|")
+    h.update(json.dumps([[u.batch_start, u.batch_stop] for u in units]).encode())
+    return h.hexdigest()
+
+
+@dataclass(slots=True)
+class _Setup:
+    """Everything derived from the config before any weights are loaded."""
+
+    config: ExtractConfig
+    rank: RankInfo
+    device: torch.device
+    dtype: torch.dtype
+    layers: list[int]
+    hidden_size: int
+    codec: Any
+    ds: Any
+    report: Any
+    batches: list[Batch]
+    units: list[WorkUnit]
+    manifest: Manifest
+    meta: ShardMeta
+
+
+def _prepare(config: ExtractConfig, rank: RankInfo) -> _Setup:
+    device = resolve_device(config.device, rank.local_rank)
+    dtype = resolve_dtype(config.dtype, device)
+    info = read_target_info(config.target, trust_remote_code=config.trust_remote_code)
+    layers = config.resolved_layers(info.num_layers)
+    codec = get_codec(config.codec)
+    ds = open_dataset(config.dataset, config.columns)
+    report = validate(ds, vocab_size=info.vocab_size, max_len=config.max_len, overlong=config.overlong)
+    batches = plan_batches(report.rows, report.lengths, token_budget=config.token_budget, pad_multiple=config.pad_multiple)
+    units = plan_units(batches, bytes_per_token=bytes_per_token(config.codec, len(layers), info.hidden_size),
+                       unit_bytes=config.unit_bytes)
+    compute = str(dtype).removeprefix("torch.")
+    stored = codec.stored_dtype(compute)
+    manifest = Manifest(
+        target=target_info(info.config_dict, str(config.target), dtype=compute),
+        layers=layers,
+        dtype=stored,
+        hidden_size=info.hidden_size,
+        codec=codec.to_dict(),
+        dataset=ds.fingerprint(),
+        options={"max_len": config.max_len, "overlong": config.overlong, "token_budget": config.token_budget,
+                 "pad_multiple": config.pad_multiple, "unit_bytes": config.unit_bytes, "compute_dtype": compute},
+        plan={"units": len(units), "batches": len(batches), "rows": int(len(report.rows)), "tokens": report.tokens,
+              "sha256": plan_digest(batches, units)},
+    )
+    meta = ShardMeta(codec=codec, layers=layers, hidden_size=info.hidden_size, dtype=stored)
+    return _Setup(config, rank, device, dtype, layers, info.hidden_size, codec, ds, report, batches, units, manifest, meta)
+
+
+def _check_disk(s: _Setup, committed: set[int]) -> None:
+    out = s.config.out
+    need = sum(u.est_bytes for u in s.units if u.index not in committed)
+    free = shutil.disk_usage(out).free
+    if need > free and not s.config.force:
+        raise ValueError(
+            f"the cache needs about {need / GB:,.1f} GB more but {out} has {free / GB:,.1f} GB free; "
+            "free space, choose --codec fp8 or another --out, or pass --force to start anyway"
+        )
+
+
+def _verify_committed(cache: Path, committed: set[int]) -> set[int]:
+    """Drop committed shards whose footer does not parse (a disk error after commit): they are redone."""
+    from dflash.shards.reader import ShardReader
+
+    good = set()
+    for u in sorted(committed):
+        path = cache / SHARDS_DIR / shard_name(u)
+        try:
+            ShardReader.open(path).close()
+            good.add(u)
+        except (ShardError, OSError) as exc:
+            log.warning("removing unreadable shard %s (%s); its unit is redone", path.name, exc)
+            path.unlink(missing_ok=True)
+    return good
+
+
+def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, show_progress: bool) -> None:
+    """Push the given units through the stages; raises the first stage error (e.g. DiskFull)."""
+    cfg = s.config
+    cuda = s.device.type == "cuda"
+    fp8 = s.codec.name == "fp8"
+    stop = threading.Event()
+    q_in, q_out, q_write = (Channel(cfg.queue_depth, stop) for _ in range(3))
+    errors: list[BaseException] = []
+    work = [(u, s.batches[s.units[u].batch_start : s.units[u].batch_stop]) for u in unit_ids]
+    rows = sum(s.units[u].num_rows for u in unit_ids)
+    threads_n = cfg.num_encode_threads or max(1, min(16, (os.cpu_count() or 2) - 1))
+    lock = threading.Lock()
+
+    def add_encode(dt: float) -> None:
+        with lock:
+            stats.encode_cpu_s += dt
+
+    progress = None
+    if show_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=rows, unit="row", desc="extract", mininterval=1.0, file=sys.stderr)
+
+    def guarded(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Stopped:
+            pass
+        except BaseException as exc:
+            errors.append(exc)
+            stop.set()
+
+    element = torch.finfo(s.dtype).bits // 8
+    raw_per_token = len(s.layers) * s.hidden_size * element
+    shard_path = lambda u: cfg.out / SHARDS_DIR / shard_name(u)  # noqa: E731
+    pool = ThreadPoolExecutor(max_workers=threads_n, thread_name_prefix="dflash-encode")
+    threads = [
+        threading.Thread(target=guarded, name="dflash-loader",
+                         args=(load_batches, s.ds, work, q_in, stats.clock("gather"), cuda)),
+        threading.Thread(target=guarded, name="dflash-drain",
+                         args=(drain, q_out, q_write, pool, s.codec, fp8, stats.clock("d2h"), stats, add_encode)),
+        threading.Thread(target=guarded, name="dflash-writer",
+                         args=(write_shards, q_write, shard_path, s.meta, stats.clock("write"), stats,
+                               raw_per_token, progress, lambda info: None)),
+    ]
+    for t in threads:
+        t.start()
+    step = GpuStep(target, fp8)
+    clock = stats.clock("forward")
+    try:
+        while True:
+            with clock.timing("wait_in"):
+                item = q_in.get()
+            if item is None:
+                break
+            t0 = time.perf_counter()
+            with clock.timing("busy"):
+                item = step(item)
+            if not cuda:
+                stats.gpu_compute_s += time.perf_counter() - t0
+            with clock.timing("wait_out"):
+                q_out.put(item)
+        q_out.put(None)
+    except Stopped:
+        pass
+    except BaseException as exc:
+        errors.append(exc)
+        stop.set()
+    finally:
+        for t in threads:
+            while t.is_alive():
+                t.join(timeout=0.5)
+                if errors:
+                    stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        if progress is not None:
+            progress.close()
+    if not cuda:
+        stats.gpu_span_s = clock.busy + clock.wait_in + clock.wait_out
+    if errors:
+        raise errors[0]
+
+
+def _finalize(s: _Setup) -> Manifest:
+    from dflash.shards.reader import ShardReader
+
+    infos: list[ShardInfo] = []
+    for u in range(len(s.units)):
+        with ShardReader.open(s.config.out / SHARDS_DIR / shard_name(u)) as r:
+            infos.append(r.info())
+    m = Manifest.from_dict(s.manifest.to_dict())
+    m.shards = infos
+    m.skipped = s.report.skipped_records()
+    m.complete = True
+    save_manifest(s.config.out, m)
+    return m
+
+
+def run_extraction(config: ExtractConfig, *, takeover_grace_s: float = 30.0) -> ExtractResult:
+    """Extract (or resume) `config.out` on this process's share of the work; see the module docstring."""
+    if config.dry_run or config.out is None:
+        raise ValueError("run_extraction needs --out and no --dry-run (the dry run is the CLI's plan report)")
+    t_start, cpu_start = time.perf_counter(), time.process_time()
+    rank = RankInfo.from_env()
+    s = _prepare(config, rank)
+    out = Path(config.out)
+    locks = RunLocks(out, rank)
+    locks.acquire()
+    stats = StageStats()
+    done: list[int] = []
+    try:
+        if rank.rank == 0:
+            current = check_or_write_manifest(out, s.manifest, write=False) if (out / "manifest.json").is_file() else None
+            if current is None or not current.complete:
+                remove_stale_temp_files(out)
+                committed = _verify_committed(out, committed_units(out))
+                _check_disk(s, committed)
+                check_or_write_manifest(out, s.manifest, write=True)
+                write_target_parts(out, config.target)
+            locks.mark_ready()
+        else:
+            locks.wait_for_rank0()
+            current = check_or_write_manifest(out, s.manifest, write=False)
+        complete = current is not None and current.complete
+        target = None
+        while not complete:
+            mine = assign_units(len(s.units), committed_units(out), rank.rank, rank.world_size)
+            if mine:
+                if target is None:
+                    if s.device.type == "cuda":
+                        torch.cuda.set_device(s.device)
+                    target = load_target(config.target, s.layers, device=s.device, dtype=s.dtype,
+                                         trust_remote_code=config.trust_remote_code)
+                _run_units(s, target, mine, stats, show_progress=rank.rank == 0)
+                done.extend(mine)
+            if rank.rank != 0:
+                break
+            if not _wait_for_others(s, locks, takeover_grace_s):
+                # Units are left and no other rank is alive: rank 0 takes them over as a world of one.
+                rank = RankInfo(rank=0, world_size=1, local_rank=rank.local_rank, run_id=rank.run_id)
+                continue
+            _finalize(s)
+            complete = True
+    finally:
+        locks.release()
+    result = ExtractResult(
+        cache=str(out), complete=complete, rank=s.rank.rank, world_size=s.rank.world_size, device=str(s.device),
+        units_total=len(s.units), units_done=len(done), units_committed=len(committed_units(out)),
+        rows=stats.rows, rows_skipped=int(len(s.report.skipped_rows)), tokens=stats.tokens,
+        bytes_written=stats.bytes_written, raw_bytes=stats.raw_bytes,
+        seconds=time.perf_counter() - t_start, cpu_seconds=time.process_time() - cpu_start,
+        gpu_compute_s=stats.gpu_compute_s, gpu_wait_fraction=stats.gpu_wait_fraction,
+        encode_cpu_s=stats.encode_cpu_s, stages={k: c.to_dict() for k, c in stats.clocks.items()},
+    )
+    if s.rank.rank == 0:
+        print(json.dumps(result.to_dict()) if config.json else format_summary(result), flush=True)
+    return result
+
+
+def _wait_for_others(s: _Setup, locks: RunLocks, grace_s: float) -> bool:
+    """Rank 0: wait until every unit is committed (True) or no other rank has been alive for grace_s (False)."""
+    alone_since: float | None = None
+    while True:
+        if len(committed_units(s.config.out)) >= len(s.units):
+            return True
+        if locks.others_alive():
+            alone_since = None
+        elif alone_since is None:
+            alone_since = time.monotonic()
+        elif time.monotonic() - alone_since >= grace_s:
+            left = len(s.units) - len(committed_units(s.config.out))
+            log.warning("%d units are uncommitted and no other rank is running; rank 0 takes them over", left)
+            return False
+        time.sleep(0.2)

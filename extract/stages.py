@@ -1,0 +1,327 @@
+"""The extraction pipeline's stages, joined by bounded queues; the GPU stage should never wait.
+
+    loader thread   gather a batch's rows into (pinned) host tensors                 -> q_in
+    main thread     H2D on a copy stream, forward, keep real tokens, fp8 on the GPU,
+                    D2H into pinned buffers on the copy stream (with an event)       -> q_out
+    drain thread    wait for the D2H event, submit one encode task per sample        -> q_write
+    encode pool     encode_sample (zstd releases the GIL)
+    writer thread   one ShardWriter per work unit, samples in plan order, commit
+
+Every thread that fails sets the shared stop event; queue operations give up when it is set, so an
+error anywhere (ENOSPC in the writer, a bad row in the loader) stops the run promptly and the first
+error is re-raised in the caller. On CPU the same code runs without streams or events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash.shards.codecs import Codec, Fp8Block, quantize_fp8
+from dflash.shards.manifest import ShardInfo
+from dflash.shards.writer import EncodedSample, ShardWriter, encode_sample
+
+from .gather import GatherBuffers, gather
+
+_POLL = 0.1  # seconds between checks of the stop event while blocked on a queue
+
+
+class Stopped(Exception):
+    """Raised inside a stage when another stage failed and the run is stopping."""
+
+
+@dataclass(slots=True)
+class StageClock:
+    """Seconds a stage spent working, waiting for input, and blocked on a full output queue."""
+
+    name: str
+    busy: float = 0.0
+    wait_in: float = 0.0
+    wait_out: float = 0.0
+
+    @contextlib.contextmanager
+    def timing(self, what: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, what, getattr(self, what) + time.perf_counter() - t)
+
+    def to_dict(self) -> dict[str, float]:
+        total = self.busy + self.wait_in + self.wait_out
+        waiting = self.wait_in + self.wait_out
+        return {"busy_s": self.busy, "wait_in_s": self.wait_in, "wait_out_s": self.wait_out,
+                "wait_fraction": waiting / total if total else 0.0}
+
+
+class Channel:
+    """A bounded queue whose put/get give up (raise Stopped) once the run's stop event is set."""
+
+    def __init__(self, depth: int, stop: threading.Event):
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = stop
+
+    def put(self, item: Any) -> None:
+        while True:
+            if self._stop.is_set():
+                raise Stopped
+            try:
+                self._q.put(item, timeout=_POLL)
+                return
+            except queue.Full:
+                continue
+
+    def get(self) -> Any:
+        while True:
+            if self._stop.is_set():
+                raise Stopped
+            try:
+                return self._q.get(timeout=_POLL)
+            except queue.Empty:
+                continue
+
+
+@dataclass(slots=True)
+class WorkBatch:
+    """One planned batch on its way through the stages."""
+
+    unit: int
+    first_in_unit: bool
+    last_in_unit: bool
+    rows: np.ndarray  # int64 [B]
+    lengths: np.ndarray  # int64 [B]
+    input_ids: torch.Tensor  # [B, T] host
+    attention_mask: torch.Tensor  # [B, T] host
+    loss_mask: torch.Tensor  # [B, T] host
+    select: torch.Tensor  # int64 [N] flat indexes of the real tokens in [B*T]
+    # Filled by the GPU stage:
+    features: tuple[torch.Tensor, ...] = ()  # host: ([K, N, H],) or fp8 (q [K*N, H], scale [K*N])
+    ready: Any = None  # CUDA event after the D2H copy, None on CPU
+    timing: tuple[Any, Any] | None = None  # CUDA events around the compute
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass(slots=True)
+class StageStats:
+    clocks: dict[str, StageClock] = field(default_factory=dict)
+    gpu_compute_s: float = 0.0  # measured on the GPU with events (CUDA) or the host clock (CPU)
+    gpu_span_s: float = 0.0  # first compute start to last compute end
+    encode_cpu_s: float = 0.0  # summed over pool threads
+    rows: int = 0
+    tokens: int = 0
+    raw_bytes: int = 0
+    bytes_written: int = 0
+    shards: list[ShardInfo] = field(default_factory=list)
+
+    def clock(self, name: str) -> StageClock:
+        return self.clocks.setdefault(name, StageClock(name))
+
+    @property
+    def gpu_wait_fraction(self) -> float:
+        return max(0.0, 1.0 - self.gpu_compute_s / self.gpu_span_s) if self.gpu_span_s > 0 else 0.0
+
+
+def load_batches(
+    ds: Any, units: list[tuple[int, list[Any]]], out: Channel, clock: StageClock, pin: bool
+) -> None:
+    """Loader thread: gather each planned batch into fresh (pinned when CUDA) host tensors."""
+    for unit, batches in units:
+        for j, batch in enumerate(batches):
+            with clock.timing("busy"):
+                n = batch.size * batch.padded_len
+                buffers = GatherBuffers(
+                    input_ids=torch.empty(n, dtype=torch.int64, pin_memory=pin),
+                    attention_mask=torch.empty(n, dtype=torch.int64, pin_memory=pin),
+                    loss_mask=torch.empty(n, dtype=torch.uint8, pin_memory=pin),
+                    lengths=torch.empty(batch.size, dtype=torch.int64),
+                )
+                g = gather(ds, batch, buffers)
+                select = torch.from_numpy(np.flatnonzero(g.attention_mask.numpy().reshape(-1)))
+                item = WorkBatch(
+                    unit=unit, first_in_unit=j == 0, last_in_unit=j == len(batches) - 1,
+                    rows=np.asarray(batch.rows), lengths=np.asarray(batch.lengths),
+                    input_ids=g.input_ids, attention_mask=g.attention_mask, loss_mask=g.loss_mask,
+                    select=select.pin_memory() if pin else select,
+                )
+            with clock.timing("wait_out"):
+                out.put(item)
+    out.put(None)
+
+
+class GpuStep:
+    """Forward + token selection + optional fp8 + D2H for one batch (the main thread's work)."""
+
+    def __init__(self, target: Any, fp8: bool):
+        self.target = target
+        self.fp8 = fp8
+        self.device = target.device
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.compute_stream = torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        d = t.to(self.device, non_blocking=True)
+        if self.cuda:
+            d.record_stream(self.compute_stream)  # used there; keep the copy stream's block alive
+        return d
+
+    def __call__(self, item: WorkBatch) -> WorkBatch:
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                ids, mask, select = (self._to_device(t) for t in (item.input_ids, item.attention_mask, item.select))
+            self.compute_stream.wait_stream(self.copy_stream)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.compute_stream)
+        else:
+            ids, mask, select = item.input_ids, item.attention_mask, item.select
+        features = self._compute(ids, mask, select)
+        if not self.cuda:
+            item.features = features
+            return item
+        end.record(self.compute_stream)
+        item.timing = (start, end)
+        self.copy_stream.wait_stream(self.compute_stream)
+        with torch.cuda.stream(self.copy_stream):
+            host = []
+            for t in features:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(self.copy_stream)  # the allocator must not reuse it before the copy ends
+                host.append(h)
+            item.ready = torch.cuda.Event()
+            item.ready.record(self.copy_stream)
+        item.features = tuple(host)
+        return item
+
+    @torch.inference_mode()
+    def _compute(self, ids: torch.Tensor, mask: torch.Tensor, select: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = self.target.capture(ids, mask)
+        b, s, h = outs[0].shape
+        packed = torch.empty((len(outs), select.numel(), h), dtype=outs[0].dtype, device=outs[0].device)
+        for k, o in enumerate(outs):
+            torch.index_select(o.reshape(b * s, h), 0, select, out=packed[k])
+        del outs
+        if self.fp8:
+            block = quantize_fp8(packed.view(-1, h))
+            return (block.q, block.scale)
+        return (packed,)
+
+
+def sample_layers(item: WorkBatch, i: int, offset: int, fp8: bool) -> list[torch.Tensor | Fp8Block]:
+    """Row i's per-layer views [len, H] into the batch's host features (no copy)."""
+    n = int(item.lengths[i])
+    if fp8:
+        q, scale = item.features
+        total = int(item.lengths.sum())
+        k_layers = q.shape[0] // total
+        return [
+            Fp8Block(q=q[k * total + offset : k * total + offset + n], scale=scale[k * total + offset : k * total + offset + n])
+            for k in range(k_layers)
+        ]
+    (packed,) = item.features
+    return [packed[k, offset : offset + n] for k in range(packed.shape[0])]
+
+
+def drain(
+    inp: Channel, out: Channel, pool: ThreadPoolExecutor, codec: Codec, fp8: bool, clock: StageClock,
+    stats: StageStats, encode_clock: Callable[[float], None],
+) -> None:
+    """Drain thread: wait for each batch's D2H copy, then submit one encode task per sample."""
+    first_start = last_end = None
+    while True:
+        with clock.timing("wait_in"):
+            item = inp.get()
+            if item is not None and item.ready is not None:
+                item.ready.synchronize()
+        if item is None:
+            break
+        with clock.timing("busy"):
+            if item.timing is not None:
+                start, end = item.timing
+                stats.gpu_compute_s += start.elapsed_time(end) / 1e3
+                first_start = first_start or start
+                last_end = end
+                stats.gpu_span_s = first_start.elapsed_time(last_end) / 1e3
+            ids = item.input_ids.numpy()
+            loss = item.loss_mask.numpy()
+            futures: list[Future] = []
+            offset = 0
+            for i, row in enumerate(item.rows.tolist()):
+                n = int(item.lengths[i])
+                layers = sample_layers(item, i, offset, fp8)
+                futures.append(pool.submit(_timed_encode, encode_clock, codec, row, ids[i, :n], loss[i, :n], layers))
+                offset += n
+        with clock.timing("wait_out"):
+            out.put((item, futures))
+    out.put(None)
+
+
+def _timed_encode(report: Callable[[float], None], codec: Codec, *args: Any) -> EncodedSample:
+    t = time.perf_counter()
+    try:
+        return encode_sample(codec, *args)
+    finally:
+        report(time.perf_counter() - t)
+
+
+def write_shards(
+    inp: Channel, shard_path: Callable[[int], Any], meta: Any, clock: StageClock, stats: StageStats,
+    raw_bytes_per_token: int, progress: Any, on_commit: Callable[[ShardInfo], None],
+) -> None:
+    """Writer thread: one ShardWriter per unit, samples in plan order; commit at the unit's last batch."""
+    writer: ShardWriter | None = None
+    t0 = time.perf_counter()
+    try:
+        while True:
+            with clock.timing("wait_in"):
+                got = inp.get()
+            if got is None:
+                break
+            item, futures = got
+            if item.first_in_unit:
+                assert writer is None, "a unit started before the previous one was committed"
+                writer = ShardWriter(shard_path(item.unit), meta)
+            assert writer is not None
+            before = writer.bytes_written
+            for f in futures:
+                with clock.timing("wait_in"):
+                    sample = f.result()
+                with clock.timing("busy"):
+                    writer.append(sample)
+            with clock.timing("busy"):
+                after = writer.bytes_written
+                if item.last_in_unit:
+                    info = writer.commit()
+                    writer = None
+                    after = info.bytes  # index and footer included
+                    stats.shards.append(info)
+                    on_commit(info)
+                written = after - before
+                stats.rows += len(item.rows)
+                stats.tokens += item.tokens
+                stats.raw_bytes += item.tokens * raw_bytes_per_token
+                stats.bytes_written += written
+                if progress is not None:
+                    progress.update(len(item.rows))
+                    elapsed = max(time.perf_counter() - t0, 1e-9)
+                    progress.set_postfix(
+                        tok_s=f"{stats.tokens / elapsed:,.0f}",
+                        MB_s=f"{stats.bytes_written / elapsed / 1e6:,.1f}",
+                        ratio=f"{stats.raw_bytes / max(stats.bytes_written, 1):.2f}x",
+                        refresh=False,
+                    )
+    finally:
+        if writer is not None:
+            writer.abort()

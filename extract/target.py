@@ -1,0 +1,202 @@
+"""Load a frozen HF causal LM truncated after the last captured layer and capture raw layer outputs.
+
+Only decoder layers 0..max(layer_ids) are built and loaded (`num_hidden_layers` and `layer_types`
+truncated in the text config), so a run never pays for layers, the final norm's consumers or the
+lm_head logits it does not store. Outputs are taken with forward hooks on the decoder layers: the
+last entry of HF `output_hidden_states` is the final-norm output, not a layer output, so hooks are
+the only exact source for every layer id.
+
+Batches are right-padded with an attention mask. That is exact for dense and hybrid (Gated DeltaNet)
+models alike; packing several sequences in one row is not (the DeltaNet state leaks across them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TargetInfo:
+    """What the pipeline and the manifest need to know about a target without loading its weights."""
+
+    path: Path
+    model_type: str  # the top-level model_type (e.g. "qwen3_5" for the VLM wrapper)
+    text_model_type: str
+    num_layers: int  # decoder layers of the full model
+    hidden_size: int
+    vocab_size: int
+    layer_types: tuple[str, ...] | None
+    config_dict: dict[str, Any]  # config.json as stored
+
+
+def default_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default target layers: K evenly spaced ids from 1 to L-3 (one id -> L//2)."""
+    if num_draft_layers < 1:
+        raise ValueError(f"num_draft_layers={num_draft_layers} must be >= 1")
+    if num_layers < 4:
+        raise ValueError(f"the target has {num_layers} layers; the default layer rule needs >= 4, pass --layers")
+    if num_draft_layers == 1:
+        return [num_layers // 2]
+    return [round(1 + i * (num_layers - 4) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def _text_config(config: Any) -> Any:
+    """The decoder's config: `text_config` for VLM wrappers (qwen3_5), the config itself otherwise."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if getter is not None else config
+
+
+def read_target_info(path: str | Path, *, trust_remote_code: bool = False) -> TargetInfo:
+    """Read a local HF model directory's config (no weights) and describe its decoder."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"target {path}: no config.json (expected a local Hugging Face model directory)")
+    config_dict = json.loads(config_file.read_text())
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    text = _text_config(config)
+    layer_types = getattr(text, "layer_types", None)
+    return TargetInfo(
+        path=path,
+        model_type=str(config_dict.get("model_type", getattr(config, "model_type", "unknown"))),
+        text_model_type=str(getattr(text, "model_type", "unknown")),
+        num_layers=int(text.num_hidden_layers),
+        hidden_size=int(text.hidden_size),
+        vocab_size=int(text.vocab_size),
+        layer_types=tuple(layer_types) if layer_types is not None else None,
+        config_dict=config_dict,
+    )
+
+
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """Validate captured layer ids against the target: distinct, sorted, within [0, num_layers)."""
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise ValueError("no layers to capture: pass --layers or --num-draft-layers")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"layer ids {bad} are outside the target's 0..{num_layers - 1}; fix --layers")
+    if sorted(set(ids)) != ids:
+        raise ValueError(f"layer ids {ids} must be distinct and increasing, e.g. {sorted(set(ids))}")
+    return ids
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence the load report: the truncated layers are intentionally unexpected keys."""
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
+class CapturingTarget:
+    """A truncated decoder with hooks on the captured layers; `capture` runs it without logits."""
+
+    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int]):
+        self.model = model
+        self.decoder = model.model  # the inner model: never lm_head
+        self.layer_ids = list(layer_ids)
+        layers = self.decoder.layers
+        if max(self.layer_ids) >= len(layers):
+            raise ValueError(f"captured layer {max(self.layer_ids)} is beyond the {len(layers)} loaded layers")
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+        first = next(self.decoder.parameters())
+        self.device = first.device
+        self.dtype = first.dtype
+        self.hidden_size = int(_text_config(model.config).hidden_size)
+
+    def _hook(self, layer_id: int):
+        def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            # Decoder layers return a tensor in transformers 5 and a tuple in older releases.
+            self._captured[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
+
+        return hook
+
+    @torch.inference_mode()
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+        """Run right-padded rows [B, S]; return each captured layer's output [B, S, H] in layer_ids order."""
+        self._captured.clear()
+        self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        try:
+            return [self._captured[i] for i in self.layer_ids]
+        finally:
+            self._captured.clear()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def load_target(
+    path: str | Path,
+    layer_ids: Sequence[int],
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> CapturingTarget:
+    """Load only layers 0..max(layer_ids) of a local HF causal LM onto `device` and hook the captured ones.
+
+    dtype defaults to bf16 on CUDA and fp32 on CPU.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    info = read_target_info(path, trust_remote_code=trust_remote_code)
+    layer_ids = check_layer_ids(layer_ids, info.num_layers)
+    keep = max(layer_ids) + 1
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = copy.deepcopy(config)
+    text = _text_config(config)
+    # Truncate in the (text) config object and pass it whole: for the VLM-wrapped qwen3_5 the layer
+    # count lives in text_config, where from_pretrained(num_hidden_layers=...) cannot reach it.
+    text.num_hidden_layers = keep
+    if getattr(text, "layer_types", None) is not None:
+        text.layer_types = list(text.layer_types)[:keep]
+    text.use_cache = False
+    kwargs: dict[str, Any] = {"config": config, "dtype": dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with _quiet_transformers():
+        model, loading = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    missing = sorted(k for k in loading.get("missing_keys", ()) if not k.startswith("lm_head"))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"target {path}: weights missing from the checkpoint ({shown}); they would be random. "
+            "Is this a causal-LM checkpoint transformers can load (try --trust-remote-code)?"
+        )
+    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        raise ValueError(f"target {path}: {type(model).__name__} has no .model.layers; not a decoder-only LM")
+    # The logits head is never used; free it (it is the largest matrix of a Qwen model).
+    if hasattr(model, "lm_head"):
+        model.lm_head = torch.nn.Identity()
+    model.eval().requires_grad_(False)
+    model.to(device)
+    log.info("loaded %s (%s): layers 0..%d of %d, %s on %s", path, info.model_type, keep - 1, info.num_layers, dtype, device)
+    return CapturingTarget(model, layer_ids)

@@ -1,0 +1,256 @@
+"""Who writes which work unit, resume state, and the locks that keep independent runs out of one cache.
+
+A work unit is one shard (`shards/shard-NNNNNN.dfs`, NNNNNN = unit index in the deterministic plan);
+a committed shard is a finished unit, anything else is redone. Rank r of world w takes the
+uncommitted units u with u % w == r, so any world size can resume any cache.
+
+Coordination is the shared filesystem only (no process group needed):
+- rank 0 holds `CACHE/.lock` (fcntl, exclusive) for the whole run. It checks or writes the manifest,
+  removes temp files of killed writers, then writes `{"ready": true, world_size, run}` into the lock
+  file. It is also the one that finalizes the manifest once every unit is committed.
+- rank r > 0 holds `CACHE/.lock.rank<r>` and starts writing only after it sees `.lock` held and ready
+  for the same world size and run id.
+Two independent runs therefore always collide on some lock (rank 0's, a rank's own, or a world-size
+mismatch) and the second one stops with a message naming the holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash.shards.errors import ManifestMismatch, ShardError
+from dflash.shards.manifest import MANIFEST_NAME, Manifest, diff_manifests, load_manifest, save_manifest
+
+log = logging.getLogger(__name__)
+
+SHARDS_DIR = "shards"
+LOCK_NAME = ".lock"
+_SHARD_RE = re.compile(r"^shard-(\d{6,})\.dfs$")
+
+
+class CacheLocked(ShardError):
+    """Another extraction holds the cache's lock."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankInfo:
+    """This process's place in a (possibly multi-process) run; from torchrun's env or the defaults."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    run_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} of world size {self.world_size}: need 0 <= RANK < WORLD_SIZE")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> RankInfo:
+        env = dict(os.environ if env is None else env)
+        try:
+            rank = int(env.get("RANK", "0"))
+            world = int(env.get("WORLD_SIZE", "1"))
+            local = int(env.get("LOCAL_RANK", str(rank)))
+        except ValueError as exc:
+            raise ValueError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers ({exc})") from None
+        # Shared by all ranks of one launch; keeps a rank from joining another launch's rank 0.
+        run = env.get("DFLASH_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or ""
+        if not run and env.get("MASTER_ADDR"):
+            run = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '')}"
+        return cls(rank=rank, world_size=world, local_rank=local, run_id=run)
+
+
+def unit_of_shard(name: str) -> int | None:
+    m = _SHARD_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def committed_units(cache_dir: str | Path) -> set[int]:
+    """Unit indexes whose shard is committed (renamed to its final name)."""
+    d = Path(cache_dir) / SHARDS_DIR
+    if not d.is_dir():
+        return set()
+    return {u for p in d.iterdir() if (u := unit_of_shard(p.name)) is not None}
+
+
+def assign_units(num_units: int, committed: Iterable[int], rank: int, world_size: int) -> list[int]:
+    """The uncommitted units of `rank`: u % world_size == rank, ascending."""
+    done = set(committed)
+    return [u for u in range(rank, num_units, world_size) if u not in done]
+
+
+def remove_stale_temp_files(cache_dir: str | Path) -> int:
+    """Delete temp files of killed writers (only while no writer of this cache runs)."""
+    from dflash.shards.writer import stale_temp_files
+
+    n = 0
+    for p in stale_temp_files(Path(cache_dir) / SHARDS_DIR):
+        p.unlink(missing_ok=True)
+        n += 1
+    for p in Path(cache_dir).glob(".target.tmp-*"):
+        import shutil
+
+        shutil.rmtree(p, ignore_errors=True)
+    return n
+
+
+class FileLock:
+    """An exclusive fcntl lock on one file, held until release(); content describes the holder."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self, retry_seconds: float = 0.0) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + retry_seconds
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._fd = fd
+                return True
+            except OSError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    return False
+                time.sleep(0.1)
+
+    def write(self, info: dict[str, Any]) -> None:
+        assert self._fd is not None
+        data = json.dumps(info).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+        os.fsync(self._fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def is_held(path: Path) -> bool:
+    """True when some other process holds an fcntl lock on `path` (probes with a shared lock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def read_holder(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_bytes() or b"{}")
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _holder_text(info: dict[str, Any]) -> str:
+    if not info:
+        return "another process"
+    return f"pid {info.get('pid')} on {info.get('host')} (world size {info.get('world_size')})"
+
+
+def _rank_lock_path(cache_dir: Path, rank: int) -> Path:
+    return cache_dir / (LOCK_NAME if rank == 0 else f"{LOCK_NAME}.rank{rank}")
+
+
+class RunLocks:
+    """This rank's lock on the cache plus the handshake with rank 0 (see the module docstring)."""
+
+    def __init__(self, cache_dir: Path, rank: RankInfo):
+        self.cache_dir = cache_dir
+        self.rank = rank
+        self.lock = FileLock(_rank_lock_path(cache_dir, rank.rank))
+
+    def _info(self, ready: bool) -> dict[str, Any]:
+        r = self.rank
+        return {"pid": os.getpid(), "host": socket.gethostname(), "rank": r.rank, "world_size": r.world_size,
+                "run": r.run_id, "ready": ready, "since": time.time()}
+
+    def acquire(self) -> None:
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        # A short retry covers rank 0 probing this rank's lock at the moment we start.
+        if not self.lock.acquire(retry_seconds=2.0):
+            holder = read_holder(self.lock.path)
+            raise CacheLocked(
+                f"{self.cache_dir} is being written by another extraction ({_holder_text(holder)}; lock "
+                f"{self.lock.path.name}); wait for it to finish or choose another --out"
+            )
+        self.lock.write(self._info(ready=False))
+
+    def mark_ready(self) -> None:
+        self.lock.write(self._info(ready=True))
+
+    def wait_for_rank0(self, timeout: float = 600.0) -> None:
+        """Rank > 0: block until this run's rank 0 holds `.lock` and has prepared the cache."""
+        path = self.cache_dir / LOCK_NAME
+        deadline = time.monotonic() + timeout
+        mismatch = ""
+        while time.monotonic() < deadline:
+            info = read_holder(path)
+            if is_held(path) and info.get("ready"):
+                if info.get("world_size") == self.rank.world_size and info.get("run", "") == self.rank.run_id:
+                    return
+                mismatch = f"; {path.name} is held by {_holder_text(info)}, a different run"
+            time.sleep(0.05)
+        raise CacheLocked(
+            f"rank {self.rank.rank}: rank 0 of this run did not prepare {self.cache_dir} within {timeout:.0f} s"
+            f"{mismatch}; start all ranks with the same command and world size"
+        )
+
+    def others_alive(self) -> bool:
+        """Rank 0: whether any other rank of this run still holds its lock."""
+        return any(is_held(_rank_lock_path(self.cache_dir, r)) for r in range(1, self.rank.world_size))
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def check_or_write_manifest(cache_dir: Path, expected: Manifest, *, write: bool) -> Manifest:
+    """Compare an existing manifest's provenance with `expected` (refuse on any difference) or write it.
+
+    Returns the manifest on disk (which may already be complete). Only rank 0 writes.
+    """
+    path = cache_dir / MANIFEST_NAME
+    if path.is_file():
+        current = load_manifest(cache_dir)
+        differences = diff_manifests(current, expected)
+        if differences:
+            raise ManifestMismatch(
+                f"{cache_dir} holds a cache made with other settings (resume refused; use the same command, "
+                "or another --out)",
+                differences,
+            )
+        return current
+    if not write:
+        raise ShardError(f"{path} is missing although rank 0 reported the cache ready")
+    existing = [p.name for p in cache_dir.iterdir() if not p.name.startswith(".")] if cache_dir.is_dir() else []
+    if existing:
+        raise ValueError(
+            f"{cache_dir} is not empty ({', '.join(sorted(existing)[:5])}) and has no manifest.json: "
+            "not a dflash cache; choose an empty or new --out"
+        )
+    save_manifest(cache_dir, expected)
+    return expected

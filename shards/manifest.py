@@ -1,0 +1,230 @@
+"""`CACHE/manifest.json`: provenance, options and plan of a cache, written atomically (spec: FORMAT.md).
+
+`complete` is false while extracting; the final write adds the per-shard entries and sets it true, so
+a complete cache is opened without listing the directory or reading any shard footer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import ShardError
+
+FORMAT_NAME = "dflash-cache"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 256 << 20  # a manifest lists shards and skipped rows; anything bigger is not ours
+
+# Fields whose difference makes a cache unusable for a resume or a training run (see diff_manifests).
+PROVENANCE_FIELDS = (
+    "format",
+    "version",
+    "target",
+    "layers",
+    "dtype",
+    "hidden_size",
+    "codec",
+    "dataset",
+    "options",
+    "plan",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardInfo:
+    """One committed shard: file name (relative to CACHE/shards), rows, tokens, bytes, index checksum."""
+
+    name: str
+    rows: int
+    tokens: int
+    bytes: int
+    index_checksum: str
+    supervised: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "manifest") -> ShardInfo:
+        if not isinstance(d, Mapping):
+            raise ShardError(f"{source}: shard entry must be an object, got {d!r:.80}")
+        known = {f.name for f in fields(cls)}
+        try:
+            info = cls(**{k: v for k, v in d.items() if k in known})
+        except TypeError as exc:
+            raise ShardError(f"{source}: malformed shard entry {dict(d)!r:.200}: {exc}") from None
+        ints = (info.rows, info.tokens, info.bytes, info.supervised)
+        if not all(type(v) is int and v >= 0 for v in ints) or not isinstance(info.name, str):
+            raise ShardError(f"{source}: malformed shard entry {dict(d)!r:.200}: counts must be ints >= 0")
+        return info
+
+
+@dataclass(kw_only=True, slots=True)
+class Manifest:
+    """Everything needed to trust, resume and train from a cache (field meanings: FORMAT.md)."""
+
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+    complete: bool = False
+    target: dict[str, Any] = field(default_factory=dict)
+    layers: list[int] = field(default_factory=list)
+    dtype: str = "bfloat16"
+    hidden_size: int = 0
+    codec: dict[str, Any] = field(default_factory=dict)
+    dataset: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
+    tool_version: str = __version__
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    shards: list[ShardInfo] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["shards"] = [s.to_dict() for s in self.shards]
+        return json.loads(json.dumps(d))  # deep copy; also proves it is plain JSON
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "manifest") -> Manifest:
+        if not isinstance(d, Mapping):
+            raise ShardError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        if d.get("format") != FORMAT_NAME:
+            raise ShardError(
+                f"{source}: format is {d.get('format')!r}, expected {FORMAT_NAME!r}: not a dflash cache"
+            )
+        version = d.get("version")
+        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+            raise ShardError(
+                f"{source}: format version {version!r} is not supported by this dflash "
+                f"(reads 1..{FORMAT_VERSION}); upgrade dflash to read it"
+            )
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in d.items() if k in known}  # unknown keys: additions by newer minor writers
+        shards = d.get("shards", [])
+        if not isinstance(shards, list):
+            raise ShardError(f"{source}: 'shards' must be a list")
+        values["shards"] = [ShardInfo.from_dict(s, source) for s in shards]
+        try:
+            m = cls(**values)
+        except TypeError as exc:
+            raise ShardError(f"{source}: {exc}") from None
+        if not isinstance(m.layers, list) or not all(isinstance(i, int) for i in m.layers):
+            raise ShardError(f"{source}: 'layers' must be a list of ints, got {m.layers!r}")
+        return m
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+
+def save_manifest(cache_dir: str | os.PathLike, manifest: Manifest) -> Path:
+    """Write CACHE/manifest.json atomically (temp file, fsync, rename, fsync the directory)."""
+    cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    final = cache / MANIFEST_NAME
+    tmp = cache / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
+    data = (json.dumps(manifest.to_dict(), indent=1, sort_keys=False) + "\n").encode()
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(cache)
+    return final
+
+
+def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
+    path = Path(cache_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no manifest: {cache_dir} is not a dflash cache (or extraction never started)"
+        )
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise ShardError(f"{path}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
+    try:
+        d = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ShardError(f"{path}: not valid JSON ({exc})") from None
+    return Manifest.from_dict(d, source=str(path))
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def target_fingerprint(config_dict: Mapping[str, Any]) -> str:
+    """sha256 hex of the target's config.json in canonical JSON (sorted keys, no spaces, ASCII)."""
+    return hashlib.sha256(canonical_json(dict(config_dict))).hexdigest()
+
+
+def target_info(config_dict: Mapping[str, Any], name_or_path: str, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The manifest's `target` entry; VLM-style configs (qwen3_5) keep the text model's sizes in text_config."""
+    text = config_dict.get("text_config") or {}
+
+    def pick(key: str) -> Any:
+        return config_dict.get(key, text.get(key))
+
+    return {
+        "name_or_path": str(name_or_path),
+        "model_type": config_dict.get("model_type"),
+        "num_hidden_layers": pick("num_hidden_layers"),
+        "hidden_size": pick("hidden_size"),
+        "vocab_size": pick("vocab_size"),
+        "dtype": dtype,
+        "config_sha256": target_fingerprint(config_dict),
+    }
+
+
+def _diff(prefix: str, a: Any, b: Any, out: list[str]) -> None:
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        for key in sorted(set(a) | set(b), key=str):
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if key not in a:
+                out.append(f"{name}: missing != {b[key]!r}")
+            elif key not in b:
+                out.append(f"{name}: {a[key]!r} != missing")
+            else:
+                _diff(name, a[key], b[key], out)
+    elif a != b:
+        out.append(f"{prefix}: {a!r} != {b!r}")
+
+
+def diff_manifests(
+    a: Manifest | Mapping[str, Any],
+    b: Manifest | Mapping[str, Any],
+    fields: Sequence[str] = PROVENANCE_FIELDS,
+) -> list[str]:
+    """Human-readable differences on `fields` (dotted paths allowed), e.g. "codec.name: 'lossless' != 'fp8'"."""
+    da = a.to_dict() if isinstance(a, Manifest) else dict(a)
+    db = b.to_dict() if isinstance(b, Manifest) else dict(b)
+    out: list[str] = []
+    for name in fields:
+        va, vb = da, db
+        for part in name.split("."):
+            va = va.get(part, "missing") if isinstance(va, Mapping) else "missing"
+            vb = vb.get(part, "missing") if isinstance(vb, Mapping) else "missing"
+        _diff(name, va, vb, out)
+    return out

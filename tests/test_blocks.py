@@ -1,0 +1,113 @@
+"""Anchors, block inputs, labels, loss weights and packing."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash.train.blocks import (
+    SequenceInput,
+    build_blocks,
+    default_gamma,
+    eligible_anchors,
+    make_packed_batch,
+    sample_anchors,
+    slot_weights,
+)
+
+MASK = 99
+
+
+@given(mask=st.lists(st.booleans(), min_size=1, max_size=60), num=st.integers(1, 70), seed=st.integers(0, 2**31))
+@settings(max_examples=150, deadline=None)
+def test_sample_anchors_properties(mask: list[bool], num: int, seed: int) -> None:
+    loss_mask = torch.tensor(mask)
+    anchors = sample_anchors(loss_mask, num, torch.Generator().manual_seed(seed))
+    eligible = {a for a in range(len(mask) - 1) if mask[a] and mask[a + 1]}
+    assert set(anchors.tolist()) <= eligible
+    assert len(anchors) == min(num, len(eligible)) == len(set(anchors.tolist()))
+    assert anchors.tolist() == sorted(anchors.tolist())
+    again = sample_anchors(loss_mask, num, torch.Generator().manual_seed(seed))
+    assert torch.equal(anchors, again)
+
+
+def test_sample_anchors_is_uniform_and_redrawn() -> None:
+    loss_mask = torch.ones(41, dtype=torch.bool)  # 40 eligible positions
+    gen = torch.Generator().manual_seed(0)
+    draws = [sample_anchors(loss_mask, 10, gen) for _ in range(400)]
+    assert len({tuple(d.tolist()) for d in draws}) == 400  # a fresh draw every call
+    counts = torch.bincount(torch.cat(draws), minlength=40).float()
+    assert counts.sum() == 4000 and counts.min() > 60 and counts.max() < 140  # each expected 100
+    assert eligible_anchors(loss_mask).tolist() == list(range(40))
+
+
+def test_labels_are_the_tokens_at_block_positions() -> None:
+    ids = torch.arange(100, 120)
+    blocks, labels, weights = build_blocks(ids, torch.ones(20, dtype=torch.bool), torch.tensor([3, 17]), 4, MASK, 7.0)
+    assert blocks.tolist() == [[103, MASK, MASK, MASK], [117, MASK, MASK, MASK]]
+    # slot k is trained toward x[a + k] (NOT x[a + k + 1]); past the end: weight 0
+    assert labels[0].tolist() == [103, 104, 105, 106]
+    assert labels[1, :3].tolist() == [117, 118, 119] and weights[1, 3] == 0
+
+
+def test_loss_weights() -> None:
+    w = slot_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1
+    for k in range(1, 16):
+        assert math.isclose(float(w[k]), math.exp(-(k - 1) / 7.0), rel_tol=1e-6)
+    assert [default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    loss_mask = torch.tensor([1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    _, _, weights = build_blocks(torch.arange(6), loss_mask, torch.tensor([1, 4]), 4, MASK, 5.0)
+    base = slot_weights(4, 5.0)
+    # anchor 1: positions 1..4, position 3 has loss_mask 0
+    assert weights[0].tolist() == pytest.approx([0.0, float(base[1]), 0.0, float(base[3])])
+    # anchor 4: positions 4..7, 6 and 7 are past the end
+    assert weights[1].tolist() == pytest.approx([0.0, float(base[1]), 0.0, 0.0])
+    with pytest.raises(ValueError, match="gamma"):
+        slot_weights(4, 0.0)
+
+
+def test_packing_several_sequences() -> None:
+    seqs = [SequenceInput(torch.arange(10), torch.ones(10, dtype=torch.bool), torch.full((10, 6), 1.0)),
+            SequenceInput(torch.arange(50, 57), torch.tensor([0, 0, 1, 1, 1, 1, 1], dtype=torch.bool),
+                          torch.full((7, 6), 2.0))]
+    batch = make_packed_batch(seqs, block_size=4, mask_token_id=MASK, num_anchors=3,
+                              generator=torch.Generator().manual_seed(1), pad_blocks_to_multiple=4)
+    assert batch.features.shape == (17, 6) and batch.features[10:].eq(2.0).all()
+    assert batch.context_pos.tolist() == [*range(10), *range(7)]
+    assert batch.context_seq.tolist() == [0] * 10 + [1] * 7
+    assert batch.block_seq.tolist() == [0, 0, 0, 1, 1, 1, -1, -1]
+    assert batch.num_blocks == 8 and batch.weights[6:].eq(0).all() and batch.block_ids[6:].eq(MASK).all()
+    for n in range(6):
+        a, s = int(batch.anchor_pos[n]), int(batch.block_seq[n])
+        assert int(batch.block_ids[n, 0]) == int(seqs[s].input_ids[a])
+        assert seqs[s].loss_mask[a] and seqs[s].loss_mask[a + 1]
+
+
+def test_packing_from_per_layer_hidden_states_keeps_layer_order() -> None:
+    hidden = {3: torch.full((5, 2), 3.0), 7: torch.full((5, 2), 7.0), 9: torch.full((5, 2), 9.0)}
+    sample = SimpleNamespace(input_ids=torch.arange(5), loss_mask=torch.ones(5, dtype=torch.bool), hidden=hidden)
+    batch = make_packed_batch([sample], block_size=2, mask_token_id=MASK, num_anchors=8, layer_ids=[9, 3],
+                              feature_dtype=torch.bfloat16)
+    assert batch.features.dtype == torch.bfloat16 and batch.features[0].tolist() == [9, 9, 3, 3]
+    assert batch.anchor_pos.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"lacks target layers \[4\]"):
+        make_packed_batch([sample], block_size=2, mask_token_id=MASK, num_anchors=8, layer_ids=[4])
+    with pytest.raises(ValueError, match="pass layer_ids"):
+        make_packed_batch([sample], block_size=2, mask_token_id=MASK, num_anchors=8)
+
+
+def test_explicit_anchors_and_empty_sequences() -> None:
+    seq = SequenceInput(torch.arange(6), torch.zeros(6, dtype=torch.bool), torch.zeros(6, 4))
+    batch = make_packed_batch([seq], block_size=4, mask_token_id=MASK, num_anchors=4)
+    assert batch.num_blocks == 1 and batch.block_seq.tolist() == [-1]  # nothing to train: one padding block
+    batch = make_packed_batch([seq], block_size=4, mask_token_id=MASK, num_anchors=4, anchors=[torch.tensor([0, 2])])
+    assert batch.anchor_pos.tolist() == [0, 2]
+    with pytest.raises(ValueError, match="disagree on length"):
+        make_packed_batch([SequenceInput(torch.arange(6), torch.ones(5, dtype=torch.bool), torch.zeros(6, 4))],
+                          block_size=4, mask_token_id=MASK, num_anchors=4)

@@ -1,0 +1,212 @@
+"""Layer rule, ExtractConfig checks, `dflash-extract --dry-run` output and one-line CLI errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from dflash.extract.cli import main
+from dflash.extract.config import ColumnNames, ExtractConfig, resolve_layers
+from dflash.extract.dryrun import read_target_shape
+
+from tests.common.datasets import make_rows, write_save_to_disk, write_target_config
+
+JSON_KEYS = {
+    "rows",
+    "rows_skipped",
+    "tokens",
+    "batches",
+    "padded_tokens",
+    "max_batch_tokens",
+    "plan_seconds",
+    "bytes_estimate",
+    "supervised_tokens",
+    "skipped",
+    "padding_overhead",
+    "free_bytes",
+    "layers",
+    "units",
+}
+
+
+@pytest.mark.parametrize(
+    ("L", "K", "expected"),
+    [
+        (36, 5, [1, 9, 17, 25, 33]),
+        (64, 5, [1, 16, 31, 46, 61]),
+        (32, 5, [1, 8, 15, 22, 29]),
+        (36, 1, [18]),
+        (28, 3, [1, 13, 25]),
+        (48, 4, [1, 16, 30, 45]),
+    ],
+)
+def test_resolve_layers_default_rule(L, K, expected):
+    assert resolve_layers(L, None, K) == expected
+    assert resolve_layers(L, None, K) == sorted(
+        {round(1 + i * (L - 4) / (K - 1)) for i in range(K)} if K > 1 else {L // 2}
+    )
+
+
+def test_resolve_layers_defaults_and_explicit():
+    assert resolve_layers(36) == [1, 9, 17, 25, 33]  # K = 5 when nothing is given
+    assert resolve_layers(4, "all") == [0, 1, 2, 3]
+    assert resolve_layers(36, [17, 1, 9]) == [1, 9, 17]
+    assert resolve_layers(4, None, 5) == [1]  # the rule repeats id 1 for tiny targets: captured once
+    with pytest.raises(ValueError, match=r"layer ids \[36\] are outside \[0, 36\)"):
+        resolve_layers(36, [1, 36])
+    with pytest.raises(ValueError, match="too shallow"):
+        resolve_layers(2, None, 3)
+    with pytest.raises(ValueError, match="either layers or num_draft_layers"):
+        resolve_layers(36, [1], 5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"codec": "gzip"}, "codec must be one of lossless, fp8; got 'gzip'"),
+        ({"max_len": 0}, "max_len must be >= 1, got 0"),
+        ({"overlong": "drop"}, "overlong must be one of truncate, skip"),
+        ({"token_budget": 0}, "token_budget must be >= 1"),
+        ({"layers": [1, 1]}, "layers has duplicates"),
+        ({"layers": [1], "num_draft_layers": 3}, "give either layers"),
+        ({"layers": "some"}, "layers must be a list of layer ids or 'all'"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"device": "tpu"}, "device must be"),
+        ({"out": None}, "out is required"),
+        ({"unit_bytes": 10}, "unit_bytes must be >= 1 MiB"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, message):
+    base = {"target": "t", "dataset": "d", "out": "o"}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        ExtractConfig(**{**base, **kwargs})
+
+
+def test_column_names_must_differ():
+    with pytest.raises(ValueError, match="must differ"):
+        ColumnNames(input_ids="x", loss_mask="x")
+
+
+@pytest.fixture
+def setup(tmp_path):
+    rows = make_rows(120, seed=5, max_len=60, vocab=1000, empty=(0, 1), unsupervised=(2,))
+    ds = write_save_to_disk(rows, tmp_path / "ds", num_files=2, rows_per_batch=10)
+    target = write_target_config(
+        tmp_path / "target", vocab_size=1000, wrapped=True, num_hidden_layers=64, hidden_size=5120
+    )
+    return rows, ds, target, tmp_path
+
+
+def test_dry_run_json(setup, capsys):
+    rows, ds, target, tmp_path = setup
+    rc = main(
+        [
+            "--target",
+            str(target),
+            "--dataset",
+            str(ds),
+            "--out",
+            str(tmp_path / "cache" / "new"),
+            "--dry-run",
+            "--json",
+            "--max-len",
+            "50",
+            "--token-budget",
+            "512",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out.keys() >= JSON_KEYS
+    assert out["rows"] + out["rows_skipped"] == len(rows)
+    assert out["skipped"]["empty"] == 2 and out["skipped"]["no_supervised_tokens"] >= 1
+    assert out["layers"] == [1, 16, 31, 46, 61]
+    assert out["target"]["hidden_size"] == 5120  # read from text_config of the VLM wrapper
+    assert out["max_batch_tokens"] <= 512 and out["padded_tokens"] >= out["tokens"]
+    assert set(out["bytes_estimate"]) == {"raw", "lossless", "fp8"}
+    assert out["bytes_estimate"]["raw"] >= out["tokens"] * 5 * 5120 * 2
+    assert not (tmp_path / "cache").exists()  # a dry run writes nothing
+
+
+def test_dry_run_table(setup, capsys):
+    _, ds, target, _ = setup
+    assert main(["--target", str(target), "--dataset", str(ds), "--dry-run", "--codec", "fp8"]) == 0
+    text = capsys.readouterr().out
+    for word in (
+        "rows kept",
+        "rows skipped",
+        "empty 2",
+        "supervised",
+        "batches",
+        "padding",
+        "cache size",
+        "fp8",
+        "lossless",
+        "free space",
+    ):
+        assert word in text
+
+
+def test_bad_target_config_is_one_line(setup, capsys):
+    _, ds, _, tmp_path = setup
+    assert main(["--target", str(tmp_path / "none"), "--dataset", str(ds), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-extract: error: target: no config.json") and err.count("\n") == 1
+
+
+def test_bad_data_error_is_one_line(setup, capsys):
+    _, ds, _target, tmp_path = setup
+    small = write_target_config(tmp_path / "small", vocab_size=10)
+    assert main(["--target", str(small), "--dataset", str(ds), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "column 'input_ids': row" in err and "outside [0, 10)" in err and err.count("\n") == 1
+
+
+def test_unknown_flag_is_one_line(capsys):
+    assert main(["--target", "t", "--dataset", "d", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err == "dflash-extract: error: unrecognized arguments: --bogus (see dflash-extract --help)\n"
+
+
+def test_layers_flag_and_exclusive_group(setup, capsys):
+    _, ds, target, _ = setup
+    assert (
+        main(["--target", str(target), "--dataset", str(ds), "--dry-run", "--json", "--layers", "3,5"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["layers"] == [3, 5]
+    assert main(["--target", "t", "--dataset", "d", "--layers", "1", "--num-draft-layers", "2"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_read_target_shape_plain_and_wrapped(tmp_path):
+    plain = read_target_shape(write_target_config(tmp_path / "a", num_hidden_layers=36))
+    wrapped = read_target_shape(write_target_config(tmp_path / "b", num_hidden_layers=64, wrapped=True))
+    assert (plain.model_type, plain.num_hidden_layers) == ("qwen3", 36)
+    assert (wrapped.model_type, wrapped.num_hidden_layers) == ("qwen3_5", 64)
+
+
+def test_cli_subprocess_no_traceback_and_no_torch(setup):
+    """One fresh interpreter: a bad run prints one line (no traceback), a good one never imports torch."""
+    _, ds, target, _ = setup
+    code = (
+        "import sys, dflash.shards.errors\n"
+        "base = 'torch' in sys.modules\n"
+        "from dflash.extract.cli import main\n"
+        "bad = main(['--target', sys.argv[1], '--dataset', sys.argv[2] + '/missing', '--dry-run'])\n"
+        "good = main(['--target', sys.argv[1], '--dataset', sys.argv[2], '--dry-run', '--json'])\n"
+        "print(bad, good, base, 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(target), str(ds)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert "rows" in json.loads(run.stdout)
+    error_line, status = run.stderr.strip().split("\n")
+    assert error_line.startswith("dflash-extract: error: dataset not found")
+    bad, good, shards_imports_torch, torch_loaded = status.split()
+    assert (bad, good) == ("2", "0")
+    if shards_imports_torch == "True":
+        pytest.skip("dflash.shards/__init__ imports torch eagerly; the dry-run path cannot avoid it")
+    assert torch_loaded == "False"

@@ -1,0 +1,138 @@
+"""The streaming loader over a real (tiny) cache: coverage, hold-out, resume, corruption, ranks, latency."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.shards import Cache, ShardReader
+from dflash.shards.errors import ShardError
+from dflash.train import loader as loader_mod
+from dflash.train.data_plan import heldout_mask
+from dflash.train.loader import StreamingLoader
+from tests.common.fake_cache import corrupt_sample, write_fake_cache
+
+FRACTION = 0.2
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return write_fake_cache(tmp_path_factory.mktemp("cache"), num_samples=48, samples_per_shard=10)
+
+
+def _loader(cache_dir: Path, **overrides) -> StreamingLoader:
+    kwargs = dict(layer_ids=[1, 3], block_size=4, mask_token_id=90, num_anchors=4, gamma=2.0, token_budget=96,
+                  max_length=40, shuffle_window=8, loader_threads=2, prefetch_batches=3, on_corrupt="fail",
+                  heldout_fraction=FRACTION, seed=1, epochs=2)
+    kwargs.update(overrides)
+    return StreamingLoader(Cache.open(kwargs.pop("cache", cache_dir)), **kwargs)
+
+
+def _train_rows(n: int) -> set[int]:
+    rows = np.arange(n)
+    return set(rows[~heldout_mask(rows, FRACTION)].tolist())
+
+
+def _collect(loader: StreamingLoader, limit: int | None = None) -> list:
+    out = []
+    gen = loader.iterate()
+    for item in gen:
+        out.append(item)
+        if limit is not None and len(out) == limit:
+            gen.close()
+            break
+    return out
+
+
+def test_each_epoch_sees_every_training_row_once(cache_dir: Path) -> None:
+    items = _collect(_loader(cache_dir))
+    for epoch in (0, 1):
+        rows = Counter(r for b, _ in items if b.epoch == epoch for r in b.rows)
+        assert set(rows) == _train_rows(48) and set(rows.values()) == {1}  # held-out rows never appear
+    first = [r for b, _ in items if b.epoch == 0 for r in b.rows]
+    second = [r for b, _ in items if b.epoch == 1 for r in b.rows]
+    assert first != second  # reshuffled per epoch
+    batch = items[0][0].batch
+    assert batch.features.shape[1] == 2 * 32 and batch.features.dtype == torch.bfloat16  # 2 of the 4 layers
+    assert all(b.tokens <= 96 and b.loss_scale == 1.0 for b, _ in items)
+
+
+def test_resume_from_any_state_gives_the_same_batches(cache_dir: Path) -> None:
+    full = _collect(_loader(cache_dir))
+    for cut in (1, 4, len(full) // 2 + 1):
+        loader = _loader(cache_dir)
+        loader.load_state_dict(full[cut - 1][1])
+        rest = _collect(loader)
+        assert len(rest) == len(full) - cut
+        for (a, _), (b, _) in zip(rest, full[cut:], strict=True):
+            assert a.rows == b.rows and (a.epoch, a.index) == (b.epoch, b.index)
+            assert torch.equal(a.batch.block_ids, b.batch.block_ids)  # same anchors too
+            assert torch.equal(a.batch.features, b.batch.features)
+
+
+def test_two_ranks_split_each_epoch(cache_dir: Path) -> None:
+    per_rank = [_collect(_loader(cache_dir, rank=r, world_size=2)) for r in (0, 1)]
+    assert len(per_rank[0]) == len(per_rank[1])  # same number of steps on both ranks
+    for epoch in (0, 1):
+        seen = Counter(r for items in per_rank for b, _ in items if b.epoch == epoch for r in b.rows)
+        assert set(seen) == _train_rows(48) and set(seen.values()) == {1}
+
+
+def test_missing_layer_is_refused_in_one_line(cache_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"target layer 7 is not in the cache .*cached layers \[0, 1, 2, 3\]") as exc:
+        _loader(cache_dir, layer_ids=[1, 7])
+    assert "\n" not in str(exc.value)
+
+
+def test_corrupt_sample_skip_and_fail(tmp_path: Path) -> None:
+    cache = write_fake_cache(tmp_path / "c", num_samples=30, samples_per_shard=10)
+    reader = ShardReader.open(cache / "shards" / "shard-000001.dfs")
+    index = next(i for i, e in enumerate(reader.entries) if e.row in _train_rows(30))
+    reader.close()
+    bad_row = corrupt_sample(cache, "shard-000001.dfs", index, frame=3)
+    items = _collect(_loader(cache, layer_ids=[1], on_corrupt="skip", epochs=1))
+    rows = [r for b, _ in items for r in b.rows]
+    assert bad_row not in rows and set(rows) == _train_rows(30) - {bad_row}
+    assert items[-1][1]["skipped_samples"] == 1
+    # A layer the run does not read is never decoded, so its corruption cannot hurt:
+    ok = _collect(_loader(cache, layer_ids=[0], on_corrupt="fail", epochs=1))
+    assert bad_row in [r for b, _ in ok for r in b.rows]
+    with pytest.raises(ShardError, match="checksum mismatch.*--on-corrupt skip"):
+        _collect(_loader(cache, layer_ids=[1], on_corrupt="fail", epochs=1))
+
+
+def test_corrupt_shard_index(tmp_path: Path) -> None:
+    cache = write_fake_cache(tmp_path / "c", num_samples=30, samples_per_shard=10)
+    path = cache / "shards" / "shard-000002.dfs"
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 0xFF  # inside the index
+    path.write_bytes(bytes(data))
+    loader = _loader(cache, on_corrupt="skip", epochs=1)
+    rows = {r for b, _ in _collect(loader) for r in b.rows}
+    assert rows == _train_rows(30) - set(range(20, 30))
+    assert list(loader.bad_shards) == ["shard-000002.dfs"]
+    with pytest.raises(ShardError, match="index"):
+        _collect(_loader(cache, on_corrupt="fail", epochs=1))
+
+
+def test_first_batch_comes_fast_on_a_big_cache(tmp_path: Path, monkeypatch) -> None:
+    cache = write_fake_cache(tmp_path / "big", num_samples=6000, samples_per_shard=100, min_len=6, max_len=10)
+    opened: list[str] = []
+    real_open = ShardReader.open.__func__
+
+    def counting_open(cls, path):
+        opened.append(Path(path).name)
+        return real_open(cls, path)
+
+    monkeypatch.setattr(loader_mod.ShardReader, "open", classmethod(counting_open))
+    start = time.perf_counter()
+    loader = _loader(cache, shuffle_window=64, token_budget=64)
+    first = _collect(loader, limit=1)
+    elapsed = time.perf_counter() - start
+    assert first and elapsed < 5.0
+    assert len(set(opened)) <= 2  # of 60 shards: nothing scans the cache before the first batch

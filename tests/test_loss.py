@@ -1,0 +1,107 @@
+"""Chunked linear cross-entropy against the naive computation; drafter_loss semantics and statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.train.blocks import SequenceInput, make_packed_batch
+from dflash.train.frozen import FrozenTarget
+from dflash.train.loss import LossStats, drafter_loss, linear_cross_entropy
+from dflash.train.mask import build_attention_mask
+from dflash.train.model import DFlashDrafter, DrafterConfig
+
+
+def _naive(hidden, weight, labels, weights, normalizer=None):
+    ce = F.cross_entropy((hidden @ weight.t()).float(), labels, reduction="none")
+    return (ce * weights).sum() / (weights.sum() if normalizer is None else normalizer)
+
+
+@pytest.mark.parametrize(("rows", "chunk"), [(37, 8), (37, 37), (37, 100), (64, 16)])
+def test_chunked_loss_and_gradient_equal_naive(rows: int, chunk: int) -> None:
+    gen = torch.Generator().manual_seed(rows + chunk)
+    weight = torch.randn(300, 24, generator=gen)
+    labels = torch.randint(0, 300, (rows,), generator=gen)
+    weights = torch.rand(rows, generator=gen) * (torch.rand(rows, generator=gen) > 0.3)
+    h1 = torch.randn(rows, 24, generator=gen, requires_grad=True)
+    h2 = h1.detach().clone().requires_grad_(True)
+    loss, preds = linear_cross_entropy(h1, weight, labels, weights, chunk_rows=chunk)
+    ref = _naive(h2, weight, labels, weights)
+    (loss * 3.0).backward()  # a non-unit upstream gradient must be applied
+    (ref * 3.0).backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-6, rtol=1e-5)
+    assert torch.equal(preds, (h2 @ weight.t()).argmax(-1))
+
+
+def test_chunked_loss_bf16_and_external_normalizer() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(500, 32, generator=gen).to(torch.bfloat16)
+    hidden = torch.randn(50, 32, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    labels, weights = torch.randint(0, 500, (50,), generator=gen), torch.rand(50, generator=gen)
+    loss, _ = linear_cross_entropy(hidden, weight, labels, weights, chunk_rows=7, normalizer=100.0)
+    ref_h = hidden.detach().float().requires_grad_(True)
+    ref = _naive(ref_h, weight.float(), labels, weights, normalizer=100.0)
+    loss.backward()
+    ref.backward()
+    assert hidden.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, ref, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(hidden.grad.float(), ref_h.grad, atol=1e-3, rtol=5e-2)
+
+
+def test_zero_weights_give_zero_loss_and_gradient() -> None:
+    hidden = torch.randn(6, 8, requires_grad=True)
+    loss, _ = linear_cross_entropy(hidden, torch.randn(10, 8), torch.zeros(6, dtype=torch.long), torch.zeros(6))
+    loss.backward()
+    assert loss.item() == 0 and hidden.grad.eq(0).all()
+    with torch.no_grad():  # no gradient requested: none computed, no error
+        linear_cross_entropy(hidden, torch.randn(10, 8), torch.zeros(6, dtype=torch.long), torch.ones(6))
+
+
+TARGET = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+              vocab_size=80, num_hidden_layers=6, rope_theta=1e6, rms_norm_eps=1e-6)
+
+
+def test_drafter_loss_trains_slot_k_toward_the_token_at_anchor_plus_k() -> None:
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target_config(TARGET, mask_token_id=79, num_hidden_layers=1, block_size=5)
+    model = DFlashDrafter(cfg)
+    frozen = FrozenTarget(torch.randn(80, 32), torch.randn(80, 32), TARGET, 79)
+    seqs = [SequenceInput(torch.randint(0, 79, (s,)), torch.arange(s) >= 3, torch.randn(s, 32 * cfg.num_features))
+            for s in (21, 12)]
+    batch = make_packed_batch(seqs, block_size=5, mask_token_id=79, num_anchors=5,
+                              generator=torch.Generator().manual_seed(0), pad_blocks_to_multiple=4)
+    loss, stats = drafter_loss(model, frozen, batch, chunk_rows=6)
+    # Independent reference: logits of every block slot vs the token at anchor + k, weights exp(-(k-1)/7 * 16/5...)
+    logits = frozen.logits(model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, "dense")))
+    num, den = 0.0, 0.0
+    gamma = 7.0 * 5 / 16
+    for n in range(batch.num_blocks):
+        s, a = int(batch.block_seq[n]), int(batch.anchor_pos[n])
+        if s < 0:
+            continue
+        ids, mask = seqs[s].input_ids, seqs[s].loss_mask
+        for k in range(1, 5):
+            if a + k < len(ids) and mask[a + k]:
+                w = torch.exp(torch.tensor(-(k - 1) / gamma))
+                num = num + w * F.cross_entropy(logits[n, k], ids[a + k])
+                den = den + w
+    torch.testing.assert_close(loss, num / den, atol=1e-5, rtol=1e-5)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    summary = stats.summary()
+    assert summary["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert summary["blocks"] == int((batch.block_seq >= 0).sum()) and 1.0 <= summary["tau"] <= 5.0
+
+
+def test_stats_merge_and_summary() -> None:
+    def make(c, v, acc):
+        return LossStats(loss_sum=torch.tensor(2.0), weight_sum=torch.tensor(4.0), slot_correct=torch.tensor(c),
+                         slot_valid=torch.tensor(v), accept_at_least=torch.tensor(acc),
+                         accept_len_sum=torch.tensor(float(sum(acc))))
+    merged = make([0.0, 2, 1], [0.0, 4, 4], [4.0, 2, 1]).merge(make([0.0, 2, 1], [0.0, 4, 4], [4.0, 2, 0]))
+    out = merged.summary()
+    assert out["loss"] == 0.5 and out["acc_1"] == 0.5 and out["acc_2"] == 0.25
+    assert out["blocks"] == 8 and out["accept_1"] == 0.5 and out["accept_2"] == 1 / 8
+    assert out["tau"] == pytest.approx((7 + 6) / 8)

@@ -1,0 +1,163 @@
+"""The attention mask: the rule itself, its effect on the model's block logits, and flex == dense."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash.train.blocks import SequenceInput, make_packed_batch
+from dflash.train.frozen import FrozenTarget
+from dflash.train.mask import build_attention_mask, dense_mask
+from dflash.train.model import DFlashDrafter, DrafterConfig
+
+TARGET = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+              vocab_size=64, num_hidden_layers=6, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=256)
+B = 4
+
+
+def _pack(lengths, num_anchors=3, seed=0, pad=1, k=2):
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [SequenceInput(torch.randint(0, 60, (s,), generator=gen), torch.ones(s, dtype=torch.bool),
+                          torch.randn(s, 32 * k, generator=gen)) for s in lengths]
+    return seqs, make_packed_batch(seqs, block_size=B, mask_token_id=63, num_anchors=num_anchors, generator=gen,
+                                   pad_blocks_to_multiple=pad)
+
+
+def _oracle(batch) -> torch.Tensor:
+    t, m = batch.num_context_tokens, batch.num_blocks * B
+    allowed = torch.zeros(m, t + m, dtype=torch.bool)
+    for q in range(m):
+        n = q // B
+        s, a = int(batch.block_seq[n]), int(batch.anchor_pos[n])
+        if s < 0:
+            continue
+        for kv in range(t):
+            allowed[q, kv] = int(batch.context_seq[kv]) == s and int(batch.context_pos[kv]) < a
+        allowed[q, t + n * B: t + (n + 1) * B] = True
+    return allowed
+
+
+@given(lengths=st.lists(st.integers(2, 12), min_size=1, max_size=3), anchors=st.integers(1, 5),
+       pad=st.integers(1, 4), seed=st.integers(0, 1000))
+@settings(max_examples=40, deadline=None)
+def test_dense_mask_matches_a_literal_reading_of_the_rule(lengths, anchors, pad, seed) -> None:
+    _, batch = _pack(lengths, anchors, seed, pad)
+    assert torch.equal(dense_mask(batch), _oracle(batch))
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.from_target_config(TARGET, mask_token_id=63, num_hidden_layers=2, block_size=B,
+                                           target_layer_ids=[1, 4])
+    frozen = FrozenTarget(torch.randn(64, 32), torch.randn(64, 32), TARGET, 63)
+    return DFlashDrafter(cfg).eval(), frozen
+
+
+def _logits(model, frozen, batch, backend="dense"):
+    with torch.no_grad():
+        hidden = model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, backend))
+    return frozen.logits(hidden)
+
+
+def _with(batch, **changes):
+    moved = batch.to("cpu")
+    for name, value in changes.items():
+        setattr(moved, name, value)
+    return moved
+
+
+def test_features_at_or_after_the_anchor_do_not_leak_into_its_block() -> None:
+    model, frozen = _model()
+    _, batch = _pack([24, 17], num_anchors=4)
+    base = _logits(model, frozen, batch)
+    for n in range(batch.num_blocks):
+        s, a = int(batch.block_seq[n]), int(batch.anchor_pos[n])
+        mine = batch.context_seq == s
+        later = mine & (batch.context_pos >= a)  # includes position a itself: `<`, not `<=`
+        earlier = mine & (batch.context_pos < a)
+        features = batch.features.clone()
+        features[later] += 5 * torch.randn_like(features[later])
+        torch.testing.assert_close(_logits(model, frozen, _with(batch, features=features))[n], base[n])
+        if earlier.any():
+            features = batch.features.clone()
+            features[earlier] += 5 * torch.randn_like(features[earlier])
+            assert (_logits(model, frozen, _with(batch, features=features))[n] - base[n]).abs().max() > 1e-3
+        at_anchor = batch.features.clone()
+        at_anchor[mine & (batch.context_pos == a)] += 10.0
+        torch.testing.assert_close(_logits(model, frozen, _with(batch, features=at_anchor))[n], base[n])
+
+
+def test_other_blocks_and_other_sequences_have_no_influence() -> None:
+    model, frozen = _model(1)
+    _, batch = _pack([20, 15], num_anchors=3)
+    base = _logits(model, frozen, batch)
+    first = int((batch.block_seq == 1).nonzero()[0])
+    # Change sequence 1 entirely (features and block tokens): sequence 0's blocks must not move.
+    features = batch.features.clone()
+    features[batch.context_seq == 1] = torch.randn_like(features[batch.context_seq == 1])
+    ids = batch.block_ids.clone()
+    ids[first:, 0] = (ids[first:, 0] + 1) % 60
+    changed = _logits(model, frozen, _with(batch, features=features, block_ids=ids))
+    torch.testing.assert_close(changed[:first], base[:first])
+    assert (changed[first:] - base[first:]).abs().max() > 1e-3
+    # Change one block's anchor token: only that block moves, both directions inside it.
+    ids = batch.block_ids.clone()
+    ids[1, 0] = (ids[1, 0] + 7) % 60
+    changed = _logits(model, frozen, _with(batch, block_ids=ids))
+    keep = torch.ones(batch.num_blocks, dtype=torch.bool)
+    keep[1] = False
+    torch.testing.assert_close(changed[keep], base[keep])
+    assert ((changed[1] - base[1]).abs().amax(-1) > 1e-3).all()  # every slot of the block, slot 0 included
+
+
+def _quiet_flex():
+    warnings.filterwarnings("ignore", message=".*flex_attention.*")
+
+
+def test_flex_attention_equals_dense_on_cpu_eager() -> None:
+    _quiet_flex()
+    model, frozen = _model(2)
+    _, batch = _pack([40, 9, 30], num_anchors=6, pad=8)
+    dense = _logits(model, frozen, batch, "dense")
+    try:
+        flex = _logits(model, frozen, batch, "flex")
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        pytest.skip(f"flex_attention does not run on this CPU build: {exc}")
+    torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
+    padding = batch.block_seq < 0
+    assert padding.any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_attention_equals_dense_on_gpu_forward_and_backward() -> None:
+    model, frozen = _model(3)
+    model = model.cuda().train()
+    frozen = frozen.to("cuda")
+    _, batch = _pack([300, 170], num_anchors=40, pad=8)
+    batch = batch.to("cuda")
+    outs, grads = [], []
+    for backend in ("dense", "flex"):
+        model.zero_grad()
+        hidden = model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, backend))
+        (hidden[batch.block_seq >= 0].float().square().mean()).backward()
+        outs.append(hidden.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(grads[1], grads[0], atol=2e-4, rtol=2e-3)
+
+
+def test_padding_blocks_see_nothing_and_stay_finite() -> None:
+    model, frozen = _model(4)
+    model.train()
+    _, batch = _pack([10], num_anchors=2, pad=4)
+    mask = build_attention_mask(batch, "dense")
+    assert not dense_mask(batch)[batch.block_seq.repeat_interleave(B) < 0].any()
+    hidden = model(batch, frozen.embed(batch.block_ids), mask)
+    hidden.float().sum().backward()  # padding rows included: no NaN may reach the weights
+    assert torch.isfinite(hidden).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

@@ -1,0 +1,163 @@
+"""Target loading, truncation, layer capture and the frozen target parts, on tiny random Qwen targets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dflash.extract.target import check_layer_ids, default_layer_ids, load_target, read_target_info
+from dflash.extract.target_parts import FROZEN_NAME, read_frozen, write_target_parts
+from dflash.shards.errors import ShardError
+from tests.common.targets import KINDS, load_reference, make_target, reference_layer_outputs
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("targets")
+    return {kind: make_target(root, kind) for kind in KINDS}
+
+
+def _right_padded(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (len(lengths), max(lengths)), generator=g)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+        ids[b, n:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_captured_layers_equal_unpadded_reference(targets: dict, kind: str) -> None:
+    path = targets[kind]
+    layer_ids = [0, 1, 2]  # the reference cannot give the last layer's raw output, see below
+    target = load_target(path, layer_ids)
+    assert len(target.decoder.layers) == 3  # truncated after the last captured layer
+    reference = load_reference(path)
+    lengths = [13, 5, 9, 1]
+    ids, mask = _right_padded(lengths, seed=1)
+    outs = target.capture(ids, mask)
+    assert [tuple(o.shape) for o in outs] == [(4, 13, 64)] * 3
+    for b, n in enumerate(lengths):
+        expected = reference_layer_outputs(reference, ids[b, :n], layer_ids)
+        for k in range(3):
+            diff = (outs[k][b, :n] - expected[k]).abs().max().item()
+            assert diff <= 1e-5, f"{kind} row {b} layer {layer_ids[k]}: max abs diff {diff}"
+    # Outputs are real layer outputs, not the embeddings or each other.
+    assert (outs[0] - outs[2]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_last_layer_is_raw_output_not_final_norm(targets: dict, kind: str) -> None:
+    """Capturing the full model's last layer gives the layer output; HF's last hidden state is normed."""
+    path = targets[kind]
+    target = load_target(path, [3])
+    reference = load_reference(path)
+    ids, mask = _right_padded([7], seed=2)
+    (out,) = target.capture(ids, mask)
+    with torch.inference_mode():
+        hs = reference.model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+        layers = reference.model.layers
+        expected = layers[3](hs[3], position_embeddings=reference.model.rotary_emb(hs[3], torch.arange(7)[None]),
+                             attention_mask=None, position_ids=torch.arange(7)[None])
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    assert (out[0] - expected[0]).abs().max() <= 1e-5
+    assert (out[0] - hs[-1][0]).abs().max() > 1e-3  # hs[-1] is the final-norm output
+
+
+def test_vlm_wrapped_qwen3_5_loads_text_only_with_checkpoint_weights(targets: dict) -> None:
+    from safetensors.torch import load_file
+
+    path = targets["qwen3_5"]
+    info = read_target_info(path)
+    assert (info.model_type, info.text_model_type, info.num_layers, info.hidden_size) == ("qwen3_5", "qwen3_5_text", 4, 64)
+    target = load_target(path, [1])
+    assert type(target.model).__name__ == "Qwen3_5ForCausalLM"
+    assert len(target.decoder.layers) == 2
+    stored = load_file(str(path / "model.safetensors"))
+    for name, p in target.decoder.named_parameters():
+        assert torch.equal(p, stored[f"model.language_model.{name}"]), name
+
+
+def test_moe_loads_truncated(targets: dict) -> None:
+    target = load_target(targets["qwen3_moe"], [0, 1])
+    assert len(target.decoder.layers) == 2
+    ids, mask = _right_padded([6, 3], seed=3)
+    outs = target.capture(ids, mask)
+    assert all(torch.isfinite(o).all() for o in outs)
+
+
+def test_bf16_load_and_hooks_removed(targets: dict) -> None:
+    target = load_target(targets["qwen3"], [1], dtype=torch.bfloat16)
+    assert target.dtype == torch.bfloat16
+    ids, mask = _right_padded([4], seed=4)
+    assert target.capture(ids, mask)[0].dtype == torch.bfloat16
+    target.close()
+    assert not target.decoder.layers[1]._forward_hooks
+
+
+def test_bad_layer_ids_and_paths(targets: dict, tmp_path) -> None:
+    with pytest.raises(ValueError, match="outside"):
+        load_target(targets["qwen3"], [4])
+    with pytest.raises(ValueError, match="increasing"):
+        check_layer_ids([2, 1], 4)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        read_target_info(tmp_path)
+
+
+def test_default_layer_ids_match_dflash_rule() -> None:
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(64, 1) == [32]
+    with pytest.raises(ValueError):
+        default_layer_ids(36, 0)
+
+
+@pytest.mark.parametrize("kind,tie", [("qwen3", False), ("qwen3", True), ("qwen3_5", False), ("qwen3_5", True)])
+def test_frozen_parts_from_checkpoint(tmp_path, kind: str, tie: bool) -> None:
+    from safetensors.torch import load_file
+
+    path = make_target(tmp_path / "t", kind, tie=tie)
+    stored = load_file(str(path / "model.safetensors"))
+    prefix = "model.language_model." if kind == "qwen3_5" else "model."
+    stored_embed = stored[prefix + "embed_tokens.weight"]
+    stored_head = stored_embed if tie else stored["lm_head.weight"]
+    parts = write_target_parts(tmp_path / "cache", path)
+    assert (parts / "config.json").read_bytes() == (path / "config.json").read_bytes()
+    assert json.loads((parts / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
+    assert (parts / "tokenizer.json").is_file()
+    with safe_open(parts / FROZEN_NAME, framework="pt") as f:
+        assert sorted(f.keys()) == ["embed_tokens.weight", "lm_head.weight"]
+        embed, head = f.get_tensor("embed_tokens.weight"), f.get_tensor("lm_head.weight")
+    assert embed.dtype == torch.bfloat16
+    assert torch.equal(embed, stored_embed.to(torch.bfloat16))
+    assert torch.equal(head, stored_head.to(torch.bfloat16))
+    assert torch.equal(embed, head) == tie
+    # Idempotent: a second call keeps the same directory.
+    assert write_target_parts(tmp_path / "cache", path) == parts
+    assert not list((tmp_path / "cache").glob(".target.tmp-*"))
+
+
+def test_frozen_parts_from_sharded_checkpoint(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = make_target(tmp_path / "t", "qwen3")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    frozen = read_frozen(sharded)
+    assert torch.equal(frozen["lm_head.weight"], model.lm_head.weight.to(torch.bfloat16))
+
+
+def test_frozen_parts_missing_lm_head_untied_is_an_error(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = make_target(tmp_path / "t", "qwen3")
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ShardError, match="no lm_head"):
+        read_frozen(path)

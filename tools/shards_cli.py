@@ -1,0 +1,165 @@
+"""`dflash-shards`: inspect, check and plan hidden-state caches.
+
+    dflash-shards info CACHE            samples, tokens, bytes, ratio, layers, codec, target, dataset
+    dflash-shards ls CACHE              shards with rows, tokens, bytes
+    dflash-shards show CACHE ROW        one row: length, supervised tokens, per-layer mean/std/absmax/NaN
+    dflash-shards stats CACHE [--sample N]   per-layer statistics over N rows, length histogram
+    dflash-shards verify CACHE [--dataset PATH]   re-hash every frame; exit 0 only if all is well
+    dflash-shards plan ARGS...          `dflash-extract --dry-run ARGS...` (sizes, units, free space)
+
+Every subcommand takes --json. Exit codes: 0 ok, 1 verify found problems, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from dflash.shards.cli import run_main
+from dflash.shards.reader import Cache
+from dflash.shards.summary import cache_info, cache_stats, sample_report, shard_list
+from dflash.shards.verify import verify_cache
+
+PROG = "dflash-shards"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("cache", help="cache directory (holds manifest.json)")
+        sp.add_argument("--json", action="store_true", help="print one JSON object")
+        return sp
+
+    add("info", "cache summary")
+    add("ls", "list shards")
+    show = add("show", "one sample's statistics")
+    show.add_argument("row", type=int, help="dataset row id")
+    stats = add("stats", "per-layer activation statistics and a length histogram")
+    stats.add_argument("--sample", type=int, default=64, help="rows to decode (default 64)")
+    stats.add_argument("--seed", type=int, default=0)
+    verify = add("verify", "re-hash every frame, check index/manifest and row coverage")
+    verify.add_argument("--dataset", help="tokenized dataset: every row must be stored once or skipped")
+    plan = sub.add_parser("plan", help="dflash-extract --dry-run with these arguments", add_help=False)
+    plan.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    raise AssertionError
+
+
+def _dataset_rows(path: str) -> int:
+    try:
+        from dflash.extract.dataset import open_dataset
+    except ImportError as exc:  # extract not importable here: count rows with pyarrow directly
+        import pyarrow.dataset as pads
+
+        print(
+            f"{PROG}: note: dflash.extract unavailable ({exc}); counting rows with pyarrow", file=sys.stderr
+        )
+        return pads.dataset(path, format="arrow").count_rows()
+    return open_dataset(path).num_rows
+
+
+def _fields(d: dict[str, Any]) -> str:
+    return "  ".join(f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}" for k, v in d.items())
+
+
+def _print_info(d: dict[str, Any]) -> None:
+    ratio = f"{d['ratio']:.3f}x" if d["ratio"] else "-"
+    per_tok = f"{d['bytes_per_token']:.0f} B" if d["bytes_per_token"] else "-"
+    t = d["target"]
+    lines = [
+        f"cache       {d['path']} ({'complete' if d['complete'] else 'INCOMPLETE'})",
+        f"samples     {d['samples']:,} ({d['skipped']:,} skipped) in {d['shards']:,} shards",
+        f"tokens      {d['tokens']:,} ({d['supervised']:,} supervised)",
+        f"stored      {_size(d['bytes'])}, raw bf16 {_size(d['raw_bytes'])}, ratio {ratio}, {per_tok}/token",
+        f"layers      {d['layers']} x hidden {d['hidden_size']} ({d['dtype']})",
+        f"codec       {json.dumps(d['codec'])}",
+        f"target      {t.get('name_or_path')} ({t.get('model_type')}, {t.get('num_hidden_layers')} layers)",
+        f"dataset     {json.dumps(d['dataset'])}",
+    ]
+    print("\n".join(lines))
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "plan":
+        from dflash.extract.cli import main as extract_main
+
+        return extract_main(["--dry-run", *args.args])
+    if args.command == "show" and args.row < 0:
+        raise ValueError(f"ROW must be a dataset row id >= 0, got {args.row}")
+    if args.command == "stats" and args.sample < 1:
+        raise ValueError(f"--sample must be >= 1, got {args.sample}")
+    with Cache.open(args.cache, require_complete=False) as cache:
+        if args.command == "info":
+            out: Any = cache_info(cache)
+            text = _print_info
+        elif args.command == "ls":
+            out = {"shards": shard_list(cache)}
+
+            def text(d: dict) -> None:
+                print(f"{'shard':<20}{'rows':>10}{'tokens':>14}{'bytes':>14}")
+                for s in d["shards"]:
+                    print(f"{s['name']:<20}{s['rows']:>10,}{s['tokens']:>14,}{_size(s['bytes']):>14}")
+        elif args.command == "show":
+            out = sample_report(cache, args.row)
+
+            def text(d: dict) -> None:
+                print(f"row {d['row']}: {d['length']} tokens, {d['supervised']} supervised")
+                for layer, s in d["layers"].items():
+                    print(f"  layer {layer:>3}: " + _fields(s))
+        elif args.command == "stats":
+            out = cache_stats(cache, sample=args.sample, seed=args.seed)
+
+            def text(d: dict) -> None:
+                print(f"{d['rows_sampled']} of {d['rows']} rows sampled ({d['tokens_sampled']:,} tokens)")
+                for layer, s in d["layers"].items():
+                    print(f"  layer {layer:>3}: " + _fields(s))
+                print("lengths: " + _fields(d["lengths"]))
+                for b in d["length_histogram"]:
+                    print(f"  ({b['lo']:>6}, {b['hi']:>6}]  {b['count']}")
+        else:
+            rows = _dataset_rows(args.dataset) if args.dataset else None
+            report = verify_cache(cache, dataset_rows=rows)
+            out = report.to_dict()
+
+            def text(d: dict) -> None:
+                head = "OK" if d["ok"] else "FAILED"
+                print(
+                    f"{head}: {d['shards_checked']} shards, {d['samples_checked']} samples, "
+                    f"{d['frames_checked']} frames, {_size(d['bytes_checked'])} checked"
+                )
+                for line in report.lines():
+                    print(f"  {line}")
+
+        if args.json:
+            print(json.dumps(out, indent=1))
+        else:
+            text(out)
+        if args.command == "verify" and not out["ok"]:
+            return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_main(_main, argv, PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

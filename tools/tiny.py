@@ -1,0 +1,345 @@
+"""The built-in tiny target and tokenizer: deterministic, offline, built in seconds on a CPU.
+
+`build_tiny_target` trains a small BPE tokenizer and a small `Qwen3ForCausalLM` on the built-in chat
+corpus (`tiny_corpus`), so its greedy answers are structured (counts, letter walks, repetitions,
+templated facts) rather than the noise of random weights: a DFlash drafter trained on them can
+learn to guess several tokens ahead, which makes the demo's tau meaningful. The result is one
+complete HF directory (safetensors weights, config, tokenizer, chat template).
+
+The embedding table is padded above `len(tokenizer)`, so row `len(tokenizer)` is free for the
+drafter's mask token, as in real Qwen checkpoints (151669 of 151936).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import tiny_corpus
+from .tiny_corpus import Conversation
+
+log = logging.getLogger(__name__)
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+
+# ChatML like Qwen's; `{% generation %}` marks what the assistant generates (content + end-of-turn),
+# which is what `dflash-tokenize` supervises.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- else %}"
+    "{{- message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TinySize:
+    """Shape and training budget of a tiny target. `SIZES` holds the presets."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    bpe_vocab: int  # tokenizer size, special tokens included
+    train_chats: int
+    train_steps: int
+    batch_size: int
+    lr: float
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        if min(self.num_layers, self.train_chats, self.train_steps, self.batch_size) < 1:
+            raise ValueError(f"layers, chats, steps and batch size must be >= 1, got {self}")
+        if self.bpe_vocab < 300:
+            raise ValueError(f"bpe_vocab must be >= 300 (256 bytes + specials + merges), got {self.bpe_vocab}")
+
+
+SIZES: dict[str, TinySize] = {
+    # The demo's target: ~0.3 M parameters, trained ~20-30 s on two CPU cores.
+    "demo": TinySize(
+        hidden_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=192,
+        bpe_vocab=512,
+        train_chats=4000,
+        train_steps=300,
+        batch_size=32,
+        lr=1e-2,
+    ),
+    # For tests: same architecture and tokenizer, a few seconds of training.
+    "test": TinySize(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        bpe_vocab=384,
+        train_chats=300,
+        train_steps=30,
+        batch_size=16,
+        lr=1e-2,
+    ),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TinyTargetInfo:
+    """What `build_tiny_target` made: written as `OUT/tiny_build.json` too."""
+
+    path: str
+    size: str
+    seed: int
+    vocab_size: int  # rows of the embedding table
+    tokenizer_len: int  # len(tokenizer); rows >= this are free (the first is the drafter's mask token)
+    num_parameters: int
+    first_loss: float
+    final_loss: float
+    train_seconds: float
+    build_seconds: float
+
+
+def _resolve_size(size: str | TinySize) -> tuple[str, TinySize]:
+    if isinstance(size, TinySize):
+        return "custom", size
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny size {size!r}; choose one of {sorted(SIZES)} or pass a TinySize")
+    return size, SIZES[size]
+
+
+def build_tiny_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, seed: int = 0):
+    """Train a byte-level BPE on the built-in text and save it (with the chat template) to `out_dir`.
+
+    Returns the `PreTrainedTokenizerFast`. Byte-level, so any text encodes (no unknown token);
+    eos is `<|im_end|>`, pad `<|endoftext|>`, no bos (like Qwen).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(tiny_corpus.tokenizer_texts(seed), trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1024,
+        padding_side="right",
+    )
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def _model_config(size: TinySize, tokenizer):
+    from transformers import Qwen3Config
+
+    # Pad the table to a multiple of 64 with at least one free row (the drafter's mask token).
+    vocab_size = 64 * math.ceil((len(tokenizer) + 1) / 64)
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=size.hidden_size,
+        intermediate_size=size.intermediate_size,
+        num_hidden_layers=size.num_layers,
+        num_attention_heads=size.num_heads,
+        num_key_value_heads=size.num_kv_heads,
+        head_dim=size.hidden_size // size.num_heads,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+
+
+def _train(model, token_rows: list[list[int]], pad_id: int, size: TinySize, seed: int) -> tuple[float, float]:
+    """Next-token training on whole chats (right-padded batches); returns (first, final) smoothed loss."""
+    import torch
+
+    longest = max(len(r) for r in token_rows)
+    ids = torch.full((len(token_rows), longest), pad_id, dtype=torch.long)
+    for i, row in enumerate(token_rows):
+        ids[i, : len(row)] = torch.tensor(row)
+    lengths = torch.tensor([len(r) for r in token_rows])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, size.train_steps // 10)
+
+    def lr_factor(step: int) -> float:  # linear warmup, cosine down to 10%
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, size.train_steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(token_rows), generator=generator)
+    cursor, first, smoothed = 0, float("nan"), float("nan")
+    model.train()
+    for step in range(size.train_steps):
+        if cursor + size.batch_size > len(order):
+            order, cursor = torch.randperm(len(token_rows), generator=generator), 0
+        batch = order[cursor : cursor + size.batch_size]
+        cursor += size.batch_size
+        width = int(lengths[batch].max())
+        input_ids = ids[batch, :width]
+        attention_mask = (torch.arange(width)[None, :] < lengths[batch, None]).long()
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        value = loss.item()
+        if step == 0:
+            first = smoothed = value
+        smoothed = 0.9 * smoothed + 0.1 * value
+        if step % 50 == 0 or step == size.train_steps - 1:
+            log.debug("tiny target step %d loss %.3f", step, value)
+    model.eval()
+    return first, smoothed
+
+
+def build_tiny_target(out_dir: str | Path, *, size: str | TinySize = "demo", seed: int = 0) -> TinyTargetInfo:
+    """Build the tokenizer and train the tiny Qwen3 target into `out_dir` (a complete HF directory).
+
+    Deterministic: the same size and seed give identical weights on the same machine and torch build.
+    """
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    start = time.perf_counter()
+    size_name, spec = _resolve_size(size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(out, vocab_size=spec.bpe_vocab, seed=seed)
+    config = _model_config(spec, tokenizer)
+    texts = tokenizer.apply_chat_template(tiny_corpus.training_chats(spec.train_chats, seed), tokenize=False)
+    token_rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    # Deterministic kernels, but without NaN-filling every fresh tensor (that alone costs ~7x on CPU).
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM(config)
+            train_start = time.perf_counter()
+            first, final = _train(model, token_rows, tokenizer.pad_token_id, spec, seed)
+            train_seconds = time.perf_counter() - train_start
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.do_sample = False
+    model.save_pretrained(str(out), safe_serialization=True)
+    info = TinyTargetInfo(
+        path=str(out),
+        size=size_name,
+        seed=seed,
+        vocab_size=config.vocab_size,
+        tokenizer_len=len(tokenizer),
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        first_loss=round(first, 4),
+        final_loss=round(final, 4),
+        train_seconds=round(train_seconds, 2),
+        build_seconds=round(time.perf_counter() - start, 2),
+    )
+    (out / "tiny_build.json").write_text(json.dumps(asdict(info), indent=2) + "\n")
+    return info
+
+
+def builtin_prompts(n: int, *, seed: int = 1) -> list[Conversation]:
+    """`n` deterministic chat prompts (no assistant turn) in the corpus's style; seed 1 differs from training."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return [conv for conv, _answer in tiny_corpus.prompts(n, seed)]
+
+
+def generate_completions(
+    target_dir: str | Path,
+    tokenizer_dir: str | Path,
+    prompts: Sequence[Conversation],
+    max_new_tokens: int,
+    *,
+    batch_size: int = 64,
+) -> list[Conversation]:
+    """The target answers each prompt greedily: returns each prompt plus its assistant turn.
+
+    Batched with left padding; the answer is the decoded text up to `<|im_end|>` (or `max_new_tokens`).
+    This is the target-regenerated data DFlash trains on.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    model.eval()
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    out: list[Conversation] = []
+    for begin in range(0, len(prompts), batch_size):
+        chunk = [list(p) for p in prompts[begin : begin + batch_size]]
+        enc = tokenizer.apply_chat_template(
+            chunk, add_generation_prompt=True, tokenize=True, padding=True, return_dict=True, return_tensors="pt"
+        )
+        with torch.inference_mode():
+            generated = model.generate(
+                input_ids=enc["input_ids"],
+                attention_mask=enc["attention_mask"],
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        new_tokens = generated[:, enc["input_ids"].shape[1] :]
+        for prompt, row in zip(chunk, new_tokens.tolist(), strict=True):
+            if eos_id in row:
+                row = row[: row.index(eos_id)]
+            text = tokenizer.decode(row, skip_special_tokens=True)
+            out.append([*prompt, {"role": "assistant", "content": text}])
+    return out
+
+
+def write_chat_jsonl(conversations: Sequence[Conversation], path: str | Path) -> Path:
+    """Write conversations as OpenAI-style `{"messages": [...]}` JSON lines (the input of `dflash-tokenize`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for conv in conversations:
+            f.write(json.dumps({"messages": conv}, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return path

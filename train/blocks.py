@@ -1,0 +1,206 @@
+"""Training blocks (pure tensor logic, no I/O): anchors, block inputs, labels, loss weights, packing.
+
+Public API (stable):
+    PackedBatch                      the model's input (fields as in ARCHITECTURE.md), `.to(device)`, `.pin_memory()`
+    SequenceInput(input_ids, loss_mask, features)   one sequence; `features` [S, K*H]
+    default_gamma(block_size) -> float              7 / 5 / 4 for B = 16 / 10 / 8
+    slot_weights(block_size, gamma) -> Tensor[B]    0 at slot 0, exp(-(k-1)/gamma) after
+    eligible_anchors(loss_mask) -> LongTensor       positions a with loss_mask[a] and loss_mask[a+1]
+    sample_anchors(loss_mask, num_anchors, generator) -> LongTensor (sorted, distinct)
+    build_blocks(input_ids, loss_mask, anchors, block_size, mask_token_id, gamma) -> (block_ids, labels, weights)
+    make_packed_batch(sequences, *, block_size, mask_token_id, num_anchors, gamma=None, generator=None,
+                      anchors=None, layer_ids=None, pad_blocks_to_multiple=1) -> PackedBatch
+
+A sequence may be a `SequenceInput` or anything with `input_ids`, `loss_mask` and `hidden: dict[layer, [S, H]]`
+(a `dflash.shards` Sample); the latter needs `layer_ids` to pick and order the layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+_GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    """Several sequences' context tokens and blocks. T context tokens, N blocks of B slots."""
+
+    features: torch.Tensor  # [T, K*H] target features, layers concatenated in target_layer_ids order
+    context_pos: torch.Tensor  # [T] long, position within its own sequence
+    context_seq: torch.Tensor  # [T] long, sequence index within the pack
+    block_ids: torch.Tensor  # [N, B] long, anchor token then mask_token_id x (B-1)
+    anchor_pos: torch.Tensor  # [N] long, anchor position a (slot k sits at a + k)
+    block_seq: torch.Tensor  # [N] long, sequence of each block, -1 for padding blocks
+    labels: torch.Tensor  # [N, B] long, x[a + k] (0 where the weight is 0 past the end)
+    weights: torch.Tensor  # [N, B] float32 loss weights
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.block_ids.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.block_ids.shape[1])
+
+    @property
+    def num_context_tokens(self) -> int:
+        return int(self.features.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        return PackedBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+                              for f in fields(self)})
+
+    def pin_memory(self) -> PackedBatch:
+        return PackedBatch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+
+
+@dataclass(slots=True)
+class SequenceInput:
+    input_ids: torch.Tensor  # [S] long
+    loss_mask: torch.Tensor  # [S] bool
+    features: torch.Tensor  # [S, K*H]
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss-decay gamma: the paper's 7 / 5 / 4 for B = 16 / 10 / 8; other sizes scale 7 * B / 16."""
+    return _GAMMA_BY_BLOCK.get(block_size, 7.0 * block_size / 16)
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[B] float32: 0 for the anchor slot (it is given, not drafted), exp(-(k-1)/gamma) for slot k >= 1."""
+    if gamma <= 0 or not math.isfinite(gamma):
+        raise ValueError(f"gamma must be a positive finite number, got {gamma}")
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions a with loss_mask[a] and loss_mask[a+1]: the anchor is given and at least slot 1 is trained."""
+    m = loss_mask.bool()
+    return torch.nonzero(m[:-1] & m[1:], as_tuple=False).flatten()
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Up to `num_anchors` distinct eligible positions, uniformly without replacement, sorted."""
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    candidates = eligible_anchors(loss_mask)
+    if candidates.numel() <= num_anchors:
+        return candidates
+    pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
+    return candidates[pick].sort().values
+
+
+def build_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block inputs [n, B] (anchor token, then mask tokens), labels x[a+k] [n, B], weights [n, B] float32."""
+    s = input_ids.shape[0]
+    anchors = anchors.long()
+    if anchors.numel() and (int(anchors.min()) < 0 or int(anchors.max()) >= s):
+        raise ValueError(f"anchors must lie in 0..{s - 1}, got min {int(anchors.min())} max {int(anchors.max())}")
+    pos = anchors[:, None] + torch.arange(block_size)
+    inside = pos < s
+    safe = pos.clamp(max=s - 1)
+    labels = torch.where(inside, input_ids.long()[safe], torch.zeros_like(safe))
+    weights = slot_weights(block_size, gamma)[None, :] * (inside & loss_mask.bool()[safe]).float()
+    block_ids = torch.full_like(pos, mask_token_id)
+    block_ids[:, 0] = input_ids.long()[anchors]
+    return block_ids, labels, weights
+
+
+def _features_of(seq: Any, layer_ids: Sequence[int] | None) -> list[torch.Tensor]:
+    if isinstance(seq, SequenceInput) or (layer_ids is None and hasattr(seq, "features")):
+        return [seq.features]
+    if layer_ids is None:
+        raise ValueError("sequences carry `hidden` per layer: pass layer_ids (the drafter's target_layer_ids)")
+    missing = [i for i in layer_ids if i not in seq.hidden]
+    if missing:
+        raise ValueError(f"sequence lacks target layers {missing} (has {sorted(seq.hidden)}); "
+                         "the cache does not hold the layers this drafter needs")
+    return [seq.hidden[i] for i in layer_ids]
+
+
+def make_packed_batch(
+    sequences: Sequence[Any],
+    *,
+    block_size: int,
+    mask_token_id: int,
+    num_anchors: int,
+    gamma: float | None = None,
+    generator: torch.Generator | None = None,
+    anchors: Sequence[torch.Tensor] | None = None,
+    layer_ids: Sequence[int] | None = None,
+    pad_blocks_to_multiple: int = 1,
+    feature_dtype: torch.dtype | None = None,
+) -> PackedBatch:
+    """Pack sequences into one row: all context tokens, then up to `num_anchors` blocks PER sequence.
+
+    `anchors` (one tensor per sequence) replaces sampling, e.g. every eligible position for evaluation.
+    Padding blocks (block_seq -1, weight 0) round N up to a multiple of `pad_blocks_to_multiple`.
+    """
+    if not sequences:
+        raise ValueError("make_packed_batch needs at least one sequence")
+    if anchors is not None and len(anchors) != len(sequences):
+        raise ValueError(f"got {len(anchors)} anchor tensors for {len(sequences)} sequences")
+    if pad_blocks_to_multiple < 1:
+        raise ValueError(f"pad_blocks_to_multiple must be >= 1, got {pad_blocks_to_multiple}")
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    parts: list[list[torch.Tensor]] = []
+    lengths: list[int] = []
+    block_parts: list[tuple[torch.Tensor, ...]] = []
+    for index, seq in enumerate(sequences):
+        ids, mask = seq.input_ids, seq.loss_mask
+        feats = _features_of(seq, layer_ids)
+        s = ids.shape[0]
+        if mask.shape[0] != s or any(f.shape[0] != s for f in feats):
+            raise ValueError(f"sequence {index}: input_ids ({s}), loss_mask ({mask.shape[0]}) and features "
+                             f"({[f.shape[0] for f in feats]}) disagree on length")
+        chosen = sample_anchors(mask, num_anchors, generator) if anchors is None else anchors[index].long()
+        blk, lab, wt = build_blocks(ids, mask, chosen, block_size, mask_token_id, gamma)
+        parts.append(feats)
+        lengths.append(s)
+        block_parts.append((blk, lab, wt, chosen, torch.full_like(chosen, index)))
+
+    # One allocation for the packed features; per-layer slices are copied straight into it.
+    width = sum(f.shape[1] for f in parts[0])
+    dtype = feature_dtype or parts[0][0].dtype
+    features = torch.empty(sum(lengths), width, dtype=dtype)
+    row = 0
+    for feats, s in zip(parts, lengths, strict=True):
+        col = 0
+        for f in feats:
+            if col + f.shape[1] > width:
+                raise ValueError(f"feature widths differ between sequences (expected {width} in total)")
+            features[row:row + s, col:col + f.shape[1]] = f
+            col += f.shape[1]
+        if col != width:
+            raise ValueError(f"feature widths differ between sequences ({col} vs {width})")
+        row += s
+    context_pos = torch.cat([torch.arange(s) for s in lengths])
+    context_seq = torch.cat([torch.full((s,), i, dtype=torch.long) for i, s in enumerate(lengths)])
+    block_ids, labels, weights, anchor_pos, block_seq = (torch.cat(x) for x in zip(*block_parts, strict=True))
+    pad = -block_ids.shape[0] % pad_blocks_to_multiple
+    if block_ids.shape[0] + pad == 0:  # no sequence had an eligible anchor: keep shapes non-empty
+        pad = pad_blocks_to_multiple
+    if pad:
+        block_ids = torch.cat([block_ids, torch.full((pad, block_size), mask_token_id, dtype=torch.long)])
+        labels = torch.cat([labels, torch.zeros(pad, block_size, dtype=torch.long)])
+        weights = torch.cat([weights, torch.zeros(pad, block_size)])
+        anchor_pos = torch.cat([anchor_pos, torch.zeros(pad, dtype=torch.long)])
+        block_seq = torch.cat([block_seq, torch.full((pad,), -1, dtype=torch.long)])
+    return PackedBatch(features=features, context_pos=context_pos, context_seq=context_seq, block_ids=block_ids,
+                       anchor_pos=anchor_pos, block_seq=block_seq, labels=labels, weights=weights)

@@ -1,0 +1,319 @@
+"""Training checkpoints: `RUN/checkpoints/step_{:06d}/`, safetensors + JSON only, committed atomically.
+
+Layout of one checkpoint directory:
+
+    model.safetensors       drafter parameters (fp32 master weights)
+    optimizer.safetensors   optimizer state tensors, flattened as `{param_name}/{key}`
+    optimizer.json          param groups (hyper-parameters, parameter names) and non-tensor state
+    rng.safetensors         torch CPU/CUDA generator states (uint8), numpy/python MT states (int64)
+    rng.json                the scalar parts of the numpy/python states
+    loader.json             the data position (`StreamingLoader.state_dict()`)
+    meta.json               step, flat config, manifest hash, schedule length, eval summary
+
+A checkpoint is written into a hidden temp directory, every file fsynced, then renamed into place:
+it is either complete or absent. Nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+CHECKPOINT_DIR = "checkpoints"
+BEST_DIR = "best"
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+_FILES = (
+    "model.safetensors",
+    "optimizer.safetensors",
+    "optimizer.json",
+    "rng.safetensors",
+    "rng.json",
+    "loader.json",
+    "meta.json",
+)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+# --- optimizer state <-> flat tensors + JSON -----------------------------------------------------
+
+
+def optimizer_to_flat(
+    optimizer: torch.optim.Optimizer, param_names: Sequence[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Flatten `optimizer.state_dict()` by parameter name; `param_names[i]` names parameter id i."""
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, per_param in state["state"].items():
+        name = param_names[pid]
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}/{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(name, {})[key] = value
+    groups = []
+    for group in state["param_groups"]:
+        plain = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+        plain["params"] = [param_names[i] for i in group["params"]]
+        groups.append(plain)
+    return tensors, {"param_groups": groups, "scalar_state": scalars}
+
+
+def optimizer_from_flat(
+    optimizer: torch.optim.Optimizer,
+    param_names: Sequence[str],
+    tensors: dict[str, torch.Tensor],
+    structure: dict[str, Any],
+) -> None:
+    """Inverse of `optimizer_to_flat`: load the state into an optimizer built over the same names."""
+    index = {name: i for i, name in enumerate(param_names)}
+    saved_names = [n for g in structure["param_groups"] for n in g["params"]]
+    if sorted(saved_names) != sorted(param_names):
+        missing = sorted(set(param_names) - set(saved_names))[:3]
+        extra = sorted(set(saved_names) - set(param_names))[:3]
+        raise ValueError(
+            f"checkpoint optimizer does not match the model: missing {missing}, unexpected {extra}"
+        )
+    state: dict[int, dict[str, Any]] = {}
+    for flat_key, value in tensors.items():
+        name, _, key = flat_key.rpartition("/")
+        state.setdefault(index[name], {})[key] = value
+    for name, extra_state in structure.get("scalar_state", {}).items():
+        state.setdefault(index[name], {}).update(extra_state)
+    groups = []
+    for group in structure["param_groups"]:
+        restored = {k: (tuple(v) if k == "betas" else v) for k, v in group.items() if k != "params"}
+        restored["params"] = [index[n] for n in group["params"]]
+        groups.append(restored)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# --- RNG states ----------------------------------------------------------------------------------
+
+
+def rng_to_flat() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every global generator the run touches, as tensors plus JSON scalars."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+    version, py_state, gauss_next = random.getstate()
+    tensors["python_state"] = torch.tensor(py_state, dtype=torch.int64)
+    scalars = {
+        "numpy": {
+            "kind": kind,
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": {"version": version, "gauss_next": gauss_next},
+    }
+    return tensors, scalars
+
+
+def rng_from_flat(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    np_s = scalars["numpy"]
+    keys = tensors["numpy_keys"].numpy().astype(np.uint32)
+    np.random.set_state((np_s["kind"], keys, np_s["pos"], np_s["has_gauss"], np_s["cached_gaussian"]))
+    py_s = scalars["python"]
+    random.setstate(
+        (py_s["version"], tuple(int(v) for v in tensors["python_state"].tolist()), py_s["gauss_next"])
+    )
+
+
+# --- atomic directory writes ---------------------------------------------------------------------
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _commit_dir(tmp: Path, final: Path) -> None:
+    """fsync every file in `tmp`, then swap it in for `final` (replacing an older copy) and fsync the parent."""
+    for child in tmp.iterdir():
+        _fsync_path(child)
+    _fsync_path(tmp)
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_path(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def save_checkpoint(
+    final: str | Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    param_names: Sequence[str],
+    loader_state: dict[str, Any],
+    meta: dict[str, Any],
+) -> Path:
+    """Write a checkpoint directory at `final` (e.g. RUN/checkpoints/step_000100, RUN/best) atomically."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+        opt_tensors, opt_structure = optimizer_to_flat(optimizer, param_names)
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        _write_json(tmp / "optimizer.json", opt_structure)
+        rng_tensors, rng_scalars = rng_to_flat()
+        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        _write_json(tmp / "rng.json", rng_scalars)
+        _write_json(tmp / "loader.json", loader_state)
+        _write_json(tmp / "meta.json", {**meta, "step": step})
+        _commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+def read_json(path: str | Path) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_complete(ckpt: Path) -> None:
+    missing = [name for name in _FILES if not (ckpt / name).is_file()]
+    if missing:
+        raise ValueError(f"{ckpt} is not a complete checkpoint: missing {', '.join(missing)}")
+
+
+def load_checkpoint(
+    ckpt: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    param_names: Sequence[str],
+    restore_rng: bool = True,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load model (+ optimizer, + global RNGs) in place; return (meta, loader_state)."""
+    ckpt = Path(ckpt)
+    check_complete(ckpt)
+    weights = read_tensors(ckpt / "model.safetensors")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{ckpt}: weights do not match the drafter: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    if optimizer is not None:
+        optimizer_from_flat(
+            optimizer,
+            param_names,
+            read_tensors(ckpt / "optimizer.safetensors"),
+            read_json(ckpt / "optimizer.json"),
+        )
+    if restore_rng:
+        rng_from_flat(read_tensors(ckpt / "rng.safetensors"), read_json(ckpt / "rng.json"))
+    return read_json(ckpt / "meta.json"), read_json(ckpt / "loader.json")
+
+
+# --- finding and pruning -------------------------------------------------------------------------
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Committed checkpoints, oldest first (temp and half-replaced directories are ignored)."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_RE.match(child.name)
+        if match and child.is_dir() and (child / "meta.json").is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def find_checkpoint(run_dir: str | Path, *, step: int | None = None, best: bool = False) -> Path:
+    """The checkpoint `dflash-train export` should read: a given step, the best one, or the latest."""
+    run_dir = Path(run_dir)
+    if best:
+        path = run_dir / BEST_DIR
+        if not (path / "meta.json").is_file():
+            raise ValueError(f"{run_dir} has no best checkpoint yet (it is written at the first evaluation)")
+        return path
+    found = dict(list_checkpoints(run_dir))
+    if not found:
+        raise ValueError(
+            f"{run_dir} has no checkpoints under {CHECKPOINT_DIR}/: is it a dflash-train run directory?"
+        )
+    if step is None:
+        return found[max(found)]
+    if step not in found:
+        raise ValueError(f"{run_dir} has no checkpoint for step {step}; it has steps {sorted(found)}")
+    return found[step]
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest checkpoints; return what was removed."""
+    found = list_checkpoints(run_dir)
+    removed = []
+    for _, path in found[: max(0, len(found) - keep)]:
+        shutil.rmtree(path)
+        removed.append(path)
+    return removed
+
+
+def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """Copy a committed checkpoint directory to `dst` atomically (used for `RUN/best`)."""
+    src, dst = Path(src), Path(dst)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(src, tmp)
+    _commit_dir(tmp, dst)
+    return dst

@@ -1,0 +1,139 @@
+"""`dflash-train`: train a DFlash drafter from a cache; `dflash-train export RUN_DIR --out DIR` exports one.
+
+Flags mirror `TrainConfig`'s flat keys; `--config FILE` (JSON or TOML, same keys) is applied first and
+flags given on the command line win. `--preset tiny` starts from the CPU smoke-test preset.
+Launch on N GPUs with `torchrun --nproc-per-node N dflash-train ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash.shards.cli import run_main
+
+from .config import DEVICE_CHOICES, ON_CORRUPT_CHOICES, config_from_flat, load_config_file, tiny_debug
+
+PROG = "dflash-train"
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, argument_default=argparse.SUPPRESS,
+        description="Train a DFlash drafter from a dflash-extract cache (export a run: dflash-train export -h).",
+    )
+    p.add_argument("--config", help="JSON/TOML file of flag names -> values (flags given here override it)")
+    p.add_argument("--preset", choices=("paper", "tiny"), help="starting point: the paper recipe (default) or tiny")
+    run = p.add_argument_group("run")
+    run.add_argument("--cache", help="cache directory written by dflash-extract")
+    run.add_argument("--out", help="run directory: checkpoints/, metrics.jsonl, plots/, export/")
+    run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    run.add_argument("--seed", type=int)
+    run.add_argument("--device", choices=DEVICE_CHOICES)
+    run.add_argument("--eval-every", type=int, help="evaluate every N steps (0: only never)")
+    run.add_argument("--save-every", type=int, help="checkpoint every N steps (and at the end)")
+    run.add_argument("--log-every", type=int, help="write metrics every N steps")
+    run.add_argument("--keep-checkpoints", type=int, help="keep the N newest step checkpoints (best/ is separate)")
+    run.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    run.add_argument("--no-plots", dest="plots", action="store_false")
+    run.add_argument("--no-progress", dest="progress", action="store_false")
+    data = p.add_argument_group("data")
+    data.add_argument("--token-budget", type=int, help="context tokens per micro-batch (samples are packed)")
+    data.add_argument("--max-length", type=int, help="truncate samples to this many tokens")
+    data.add_argument("--loader-threads", type=int, help="decompression threads")
+    data.add_argument("--prefetch-batches", type=int, help="batches prepared ahead of the GPU")
+    data.add_argument("--shuffle-window", type=int, help="samples in the shuffle buffer")
+    data.add_argument("--on-corrupt", choices=ON_CORRUPT_CHOICES, help="corrupt sample: skip (counted) or fail")
+    data.add_argument("--eval-fraction", type=float, help="fraction of rows held out (hash of the row id)")
+    data.add_argument("--eval-rows", help="file of row ids to hold out (JSON list or one per line)")
+    data.add_argument("--eval-samples", type=int, help="held-out samples used per evaluation")
+    model = p.add_argument_group("drafter")
+    model.add_argument("--num-draft-layers", type=int)
+    model.add_argument("--target-layer-ids", help="comma-separated target layer ids (default: the DFlash rule)")
+    model.add_argument("--block-size", type=int)
+    model.add_argument("--num-anchors", type=int, help="anchors sampled per sequence")
+    model.add_argument("--gamma", type=float, help="loss decay over block positions (default by block size)")
+    model.add_argument("--mask-token-id", type=int, help="default: the first unused embedding row")
+    opt = p.add_argument_group("optimizer")
+    opt.add_argument("--lr", type=float)
+    opt.add_argument("--min-lr-frac", type=float)
+    opt.add_argument("--weight-decay", type=float)
+    opt.add_argument("--warmup-frac", type=float)
+    opt.add_argument("--grad-clip", type=float)
+    opt.add_argument("--grad-accum", type=int)
+    opt.add_argument("--epochs", type=int)
+    opt.add_argument("--max-steps", type=int, help="stop after N optimizer steps (also sets the schedule length)")
+    return p
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"{PROG} export", description="Export a run's checkpoint as an HF drafter dir.")
+    p.add_argument("run_dir", help="a dflash-train --out directory")
+    p.add_argument("--out", required=True, help="destination directory (config.json, model.safetensors, dflash.py)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    which.add_argument("--best", action="store_true", help="the best checkpoint by tau")
+    return p
+
+
+def build_config(argv: Sequence[str]) -> Any:
+    args = vars(_train_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    preset = args.pop("preset", "paper")
+    file = args.pop("config", None)
+    if file is not None:
+        values.update({k.replace("-", "_"): v for k, v in load_config_file(file).items()})
+        preset = values.pop("preset", preset)
+    values.update(args)
+    if preset == "tiny":
+        for name in ("cache", "out"):
+            if name not in values:
+                raise ValueError(f"{name} is required: pass --{name} or set it in the config file")
+        return tiny_debug(**values)
+    return config_from_flat(values)
+
+
+def export_main(argv: Sequence[str]) -> int:
+    from . import checkpoint as ckpt
+    from .export import export_drafter
+    from .model import DFlashDrafter, DrafterConfig
+
+    args = _export_parser().parse_args(argv)
+    source = ckpt.find_checkpoint(args.run_dir, step=args.step, best=args.best)
+    meta = ckpt.read_json(source / "meta.json")
+    drafter = dict(meta["drafter"])
+    drafter["target_layer_ids"] = tuple(drafter["target_layer_ids"])
+    config = DrafterConfig(**drafter)
+    weights = ckpt.read_tensors(source / "model.safetensors")
+    model = DFlashDrafter(config)
+    model.load_state_dict(weights)
+    out = export_drafter(model, config, Path(args.out))
+    print(f"exported step {meta['step']} of {args.run_dir} to {out}")
+    return 0
+
+
+def main_impl(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "export":
+        return export_main(argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = build_config(argv)
+    from .trainer import train
+
+    result = train(cfg)
+    if result.last_checkpoint is not None:
+        print(f"done: step {result.step}, checkpoint {result.last_checkpoint}"
+              + (f", best tau {result.best_tau:.3f}" if result.best_tau is not None else ""))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_main(main_impl, argv, PROG)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

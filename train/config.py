@@ -1,0 +1,289 @@
+"""`TrainConfig` for `dflash-train`: one section per component, flat keys for flags and config files.
+
+Each section is a kw-only dataclass that validates itself. Field names are unique across sections,
+so a flat mapping (CLI flags, a JSON/TOML config file, `meta.json` of a checkpoint) resolves to a
+section without a lookup table. Presets are plain functions returning a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ON_CORRUPT_CHOICES = ("skip", "fail")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay for block position k (w_k = exp(-(k-1)/gamma)); the paper's values, interpolated elsewhere."""
+    paper = {16: 7.0, 10: 5.0, 8: 4.0}
+    return paper.get(block_size, max(1.0, (block_size - 2) / 2.0))
+
+
+@dataclass(kw_only=True, slots=True)
+class LoaderConfig:
+    """What the streaming loader reads and how it packs it."""
+
+    token_budget: int = 8192
+    max_length: int = 3072
+    loader_threads: int = 4
+    prefetch_batches: int = 8
+    shuffle_window: int = 1024
+    on_corrupt: str = "fail"
+    eval_fraction: float = 0.01
+    eval_rows: str | None = None
+    eval_samples: int = 128
+
+    def __post_init__(self) -> None:
+        _positive("token_budget", self.token_budget)
+        _positive("max_length", self.max_length)
+        _positive("loader_threads", self.loader_threads)
+        _positive("prefetch_batches", self.prefetch_batches)
+        _positive("shuffle_window", self.shuffle_window)
+        _positive("eval_samples", self.eval_samples)
+        if self.token_budget < self.max_length:
+            raise ValueError(
+                f"token_budget={self.token_budget} is smaller than max_length={self.max_length}: "
+                "a full-length sample would not fit one batch; raise --token-budget or lower --max-length"
+            )
+        if self.on_corrupt not in ON_CORRUPT_CHOICES:
+            raise ValueError(f"on_corrupt={self.on_corrupt!r}: choose one of {', '.join(ON_CORRUPT_CHOICES)}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(
+                f"eval_fraction={self.eval_fraction}: must be in [0, 1) (0 disables the hash split)"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class DraftSpec:
+    """The drafter's shape and block construction; the rest of the width is copied from the target."""
+
+    num_draft_layers: int = 5
+    target_layer_ids: tuple[int, ...] | None = None
+    block_size: int = 16
+    num_anchors: int = 512
+    gamma: float | None = None
+    mask_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("num_draft_layers", self.num_draft_layers)
+        _positive("num_anchors", self.num_anchors)
+        if self.block_size < 2:
+            raise ValueError(
+                f"block_size={self.block_size}: a block needs the anchor and at least one draft slot"
+            )
+        if self.target_layer_ids is not None:
+            ids = tuple(int(i) for i in self.target_layer_ids)
+            if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+                raise ValueError(
+                    f"target_layer_ids={list(ids)}: give distinct non-negative layer ids, e.g. 1,9,17,25,33"
+                )
+            self.target_layer_ids = ids
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(f"gamma={self.gamma}: must be > 0")
+
+    @property
+    def loss_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else default_gamma(self.block_size)
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with warmup then cosine, clipping and accumulation (paper recipe by default)."""
+
+    lr: float = 6e-4
+    min_lr_frac: float = 0.0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    warmup_frac: float = 0.04
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    epochs: int = 6
+    max_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr={self.lr}: must be a positive number, e.g. 6e-4")
+        if not 0.0 <= self.min_lr_frac <= 1.0:
+            raise ValueError(f"min_lr_frac={self.min_lr_frac}: must be in [0, 1]")
+        if not 0.0 <= self.warmup_frac < 1.0:
+            raise ValueError(f"warmup_frac={self.warmup_frac}: must be in [0, 1), e.g. 0.04")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay}: must be >= 0")
+        for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"{name}={beta}: must be in [0, 1)")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)")
+        _positive("grad_accum", self.grad_accum)
+        _positive("epochs", self.epochs)
+        if self.max_steps is not None:
+            _positive("max_steps", self.max_steps)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Everything one `dflash-train` run needs; `meta.json` of every checkpoint holds it."""
+
+    cache: str
+    out: str
+    resume: bool = False
+    seed: int = 0
+    device: str = "auto"
+    eval_every: int = 500
+    save_every: int = 1000
+    log_every: int = 10
+    keep_checkpoints: int = 3
+    tensorboard: bool = True
+    plots: bool = True
+    progress: bool = True
+    data: LoaderConfig = field(default_factory=LoaderConfig)
+    drafter: DraftSpec = field(default_factory=DraftSpec)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self) -> None:
+        if not self.cache:
+            raise ValueError("cache is empty: pass --cache CACHE_DIR (a directory written by dflash-extract)")
+        if not self.out:
+            raise ValueError("out is empty: pass --out RUN_DIR (where checkpoints and metrics go)")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"device={self.device!r}: choose one of {', '.join(DEVICE_CHOICES)}")
+        for name in ("eval_every", "save_every", "log_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0 (0 disables it)")
+        _positive("keep_checkpoints", self.keep_checkpoints)
+
+    def to_flat(self) -> dict[str, Any]:
+        """One flat JSON-able dict (section fields inlined), the inverse of `config_from_flat`."""
+        flat: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                for g in dataclasses.fields(value):
+                    item = getattr(value, g.name)
+                    flat[g.name] = list(item) if isinstance(item, tuple) else item
+            else:
+                flat[f.name] = value
+        return flat
+
+
+_SECTIONS: dict[str, type] = {"data": LoaderConfig, "drafter": DraftSpec, "optim": OptimConfig}
+
+
+def flat_keys() -> dict[str, str | None]:
+    """Every accepted flat key -> its section name (None for top-level fields)."""
+    keys: dict[str, str | None] = {}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in _SECTIONS:
+            for g in dataclasses.fields(_SECTIONS[f.name]):
+                keys[g.name] = f.name
+        else:
+            keys[f.name] = None
+    return keys
+
+
+def config_from_flat(values: Mapping[str, Any], base: TrainConfig | None = None) -> TrainConfig:
+    """Build a config from flat keys (dashes or underscores), on top of `base` or the defaults."""
+    known = flat_keys()
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    if base is not None:
+        for key, value in base.to_flat().items():
+            (sections[known[key]] if known[key] else top)[key] = value
+    for raw_key, value in values.items():
+        key = raw_key.replace("-", "_")
+        if key not in known:
+            close = [k for k in known if k.startswith(key[:4])]
+            hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
+            raise ValueError(f"unknown config key {raw_key!r}{hint}")
+        (sections[known[key]] if known[key] else top)[key] = value
+    if "target_layer_ids" in sections["drafter"]:
+        sections["drafter"]["target_layer_ids"] = parse_layer_ids(sections["drafter"]["target_layer_ids"])
+    for name in ("cache", "out"):
+        if name not in top:
+            raise ValueError(f"{name} is required: pass --{name} or set it in the config file")
+    parts = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
+    return TrainConfig(**top, **parts)
+
+
+def parse_layer_ids(value: Any) -> tuple[int, ...] | None:
+    """`"1,9,17"`, `[1, 9, 17]` or None -> a tuple of ints."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            return tuple(int(part) for part in value.replace(" ", "").split(",") if part)
+        except ValueError:
+            raise ValueError(
+                f"target_layer_ids={value!r}: give comma-separated integers, e.g. 1,9,17,25,33"
+            ) from None
+    return tuple(int(v) for v in value)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """A JSON or TOML file of flat keys that mirror the flags (`token_budget` or `token-budget`)."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            raise ValueError(f"{path}: TOML config files need Python >= 3.11; use JSON instead") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level must be a table/object of flag names to values")
+    return data
+
+
+# --- presets -------------------------------------------------------------------------------------
+
+
+def paper_recipe(cache: str, out: str, **overrides: Any) -> TrainConfig:
+    """The DFlash paper recipe: 5 layers, B=16, 512 anchors, AdamW 6e-4, 4% warmup + cosine, 6 epochs."""
+    return config_from_flat({"cache": cache, "out": out, **overrides})
+
+
+def tiny_debug(cache: str, out: str, **overrides: Any) -> TrainConfig:
+    """Seconds on a CPU: tiny batches, frequent logging, evaluation and checkpoints."""
+    values: dict[str, Any] = {
+        "cache": cache,
+        "out": out,
+        "num_draft_layers": 1,
+        "block_size": 4,
+        "num_anchors": 8,
+        "token_budget": 256,
+        "max_length": 128,
+        "loader_threads": 2,
+        "prefetch_batches": 4,
+        "shuffle_window": 16,
+        "eval_samples": 8,
+        "eval_fraction": 0.2,
+        "epochs": 2,
+        "lr": 1e-3,
+        "eval_every": 10,
+        "save_every": 10,
+        "log_every": 1,
+        "device": "cpu",
+        "progress": False,
+    }
+    values.update(overrides)
+    return config_from_flat(values)
+
+
+def _positive(name: str, value: int) -> None:
+    if not value > 0:
+        raise ValueError(f"{name}={value}: must be > 0")

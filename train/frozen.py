@@ -1,0 +1,125 @@
+"""The target's frozen embedding and lm_head, read from a cache's `target/` folder (never trained or exported).
+
+Public API (stable):
+    FrozenTarget(embed_weight[V, H], lm_head_weight[V, H], config: dict, mask_token_id: int | None)
+        .embed(ids) -> [..., H]; .logits(hidden) -> [..., V]; .to(device=None, dtype=None) -> FrozenTarget
+        .vocab_size, .hidden_size, .num_layers
+    load_frozen_target(cache_dir, *, mask_token_id=None, device=None, dtype=None) -> FrozenTarget
+        reads CACHE/target/frozen.safetensors (`embed_tokens.weight`, `lm_head.weight`) and
+        CACHE/target/config.json; mask_token_id defaults to the first unused embedding row
+        (`default_mask_token_id`), an error when none is free and none is given.
+    default_mask_token_id(target_dir, vocab_size) -> int | None
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from dflash.shards.errors import ShardError
+from safetensors import safe_open
+
+FROZEN_FILE = "frozen.safetensors"
+EMBED_KEY = "embed_tokens.weight"
+LM_HEAD_KEY = "lm_head.weight"
+
+
+class FrozenTarget:
+    """Plain tensors, not an nn.Module: wrappers (DDP/FSDP), optimizers and checkpoints never see them."""
+
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, config: dict[str, Any],
+                 mask_token_id: int | None = None):
+        if embed_weight.ndim != 2 or embed_weight.shape != lm_head_weight.shape:
+            raise ValueError(f"embed {tuple(embed_weight.shape)} and lm_head {tuple(lm_head_weight.shape)} "
+                             "must both be [vocab, hidden]")
+        self.embed_weight = embed_weight.detach().requires_grad_(False)
+        self.lm_head_weight = lm_head_weight.detach().requires_grad_(False)
+        self.config = config
+        self.mask_token_id = mask_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embed_weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed_weight.shape[1])
+
+    @property
+    def num_layers(self) -> int:
+        text = self.config.get("text_config") or self.config
+        return int(text["num_hidden_layers"])
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.embed_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> FrozenTarget:
+        return FrozenTarget(self.embed_weight.to(device=device, dtype=dtype),
+                            self.lm_head_weight.to(device=device, dtype=dtype), self.config, self.mask_token_id)
+
+
+def _tokenizer_size(target_dir: Path) -> int | None:
+    """Number of token ids the tokenizer can emit (max id + 1), from tokenizer.json; None without one."""
+    path = target_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        ids = [int(i) for i in (data.get("model", {}).get("vocab") or {}).values()]
+        ids += [int(t["id"]) for t in data.get("added_tokens", [])]
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ShardError(f"{path}: unreadable tokenizer ({exc})") from None
+    # max id + 1 equals len(tokenizer) when ids are contiguous (Qwen: 151669); it is always an unused id.
+    return max(ids) + 1 if ids else None
+
+
+def default_mask_token_id(target_dir: str | Path, vocab_size: int) -> int | None:
+    """The first embedding row no token uses, when the table is padded past the tokenizer; else None."""
+    size = _tokenizer_size(Path(target_dir))
+    if size is None or size >= vocab_size:
+        return None
+    return size
+
+
+def load_frozen_target(
+    cache_dir: str | Path,
+    *,
+    mask_token_id: int | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> FrozenTarget:
+    target_dir = Path(cache_dir) / "target"
+    config_path, frozen_path = target_dir / "config.json", target_dir / FROZEN_FILE
+    for path in (config_path, frozen_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: is {cache_dir} a complete dflash cache?")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ShardError(f"{config_path}: not valid JSON ({exc})") from None
+    try:
+        with safe_open(str(frozen_path), framework="pt", device="cpu") as f:
+            keys = set(f.keys())
+            missing = {EMBED_KEY, LM_HEAD_KEY} - keys
+            if missing:
+                raise ShardError(f"{frozen_path}: missing tensors {sorted(missing)} (has {sorted(keys)})")
+            embed, head = f.get_tensor(EMBED_KEY), f.get_tensor(LM_HEAD_KEY)
+    except ShardError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for malformed files
+        raise ShardError(f"{frozen_path}: unreadable safetensors file ({exc})") from None
+    vocab = int(embed.shape[0])
+    if mask_token_id is None:
+        mask_token_id = default_mask_token_id(target_dir, vocab)
+        if mask_token_id is None:
+            raise ValueError(f"no free embedding row for the mask token in {target_dir} (tokenizer fills the "
+                             f"{vocab}-row table or is absent); pass mask_token_id explicitly")
+    elif not 0 <= mask_token_id < vocab:
+        raise ValueError(f"mask_token_id {mask_token_id} outside the target vocabulary 0..{vocab - 1}")
+    frozen = FrozenTarget(embed, head, config, mask_token_id)
+    return frozen.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else frozen

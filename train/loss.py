@@ -1,0 +1,173 @@
+"""Weighted cross-entropy through the frozen lm_head without holding all logits, plus training statistics.
+
+Public API (stable):
+    linear_cross_entropy(hidden[R, H], lm_head_weight[V, H], labels[R], weights[R], *, chunk_rows=2048,
+                         normalizer=None) -> (loss, argmax[R])
+        loss = sum_r weights[r] * CE(hidden[r] @ W.T, labels[r]) / normalizer (default: sum of weights).
+        Logits exist for `chunk_rows` rows at a time. The gradient w.r.t. `hidden` is computed in the same
+        chunk pass (the lm_head is frozen, so it is the only gradient) and kept ([R, H], small); backward
+        only scales it. Peak extra memory ~ chunk_rows x V x 6 bytes, independent of R.
+    drafter_loss(model, frozen, batch, *, chunk_rows=2048, attn_mask=None, normalizer=None,
+                 feature_noise_std=0.0, generator=None) -> (loss, LossStats)
+    LossStats: per-slot accuracy counts and acceptance tallies as device tensors (no host sync);
+        `.merge(other)`, `.tensors()` for all-reduce, `.summary() -> dict[str, float]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .acceptance import accepted_lengths
+
+if TYPE_CHECKING:
+    from .blocks import PackedBatch
+    from .frozen import FrozenTarget
+    from .mask import AttentionMask
+    from .model import DFlashDrafter
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                row_weights: torch.Tensor, normalizer: torch.Tensor, chunk_rows: int,
+                need_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = hidden.shape[0]
+        hidden_c = hidden.to(weight.dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        preds = torch.empty(rows, dtype=torch.long, device=hidden.device)
+        grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
+        scale = row_weights.float() / normalizer
+        for start in range(0, rows, chunk_rows):
+            end = min(start + chunk_rows, rows)
+            logits = (hidden_c[start:end] @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, labels[start:end, None]).squeeze(1)
+            total += ((lse - target) * scale[start:end]).sum()
+            preds[start:end] = logits.argmax(dim=-1)
+            if grad is not None:
+                # d CE / d logits = softmax - onehot; reuse the logits buffer for it.
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs.scatter_add_(1, labels[start:end, None], -torch.ones_like(lse[:, None]))
+                probs.mul_(scale[start:end, None])
+                grad[start:end] = probs.to(weight.dtype) @ weight
+            del logits
+        ctx.mark_non_differentiable(preds)
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
+        ctx.hidden_dtype = hidden.dtype
+        return total, preds
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_preds: torch.Tensor | None) -> tuple[Any, ...]:
+        (grad,) = ctx.saved_tensors
+        if grad.numel() == 0 and ctx.needs_input_grad[0]:
+            raise RuntimeError("linear_cross_entropy: the gradient was not computed in forward")
+        grad_hidden = (grad * grad_loss).to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
+        return grad_hidden, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    chunk_rows: int = 2048,
+    normalizer: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted mean CE, argmax per row); see the module docstring. `lm_head_weight` gets no gradient."""
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if hidden.ndim != 2 or lm_head_weight.ndim != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and lm_head {tuple(lm_head_weight.shape)} do not match")
+    if normalizer is None:
+        normalizer = weights.float().sum()
+    norm = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp_min(1e-12)
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    return _LinearCrossEntropy.apply(hidden, lm_head_weight.detach(), labels.long(), weights, norm,
+                                     chunk_rows, need_grad)
+
+
+@dataclass(slots=True)
+class LossStats:
+    """Sums over one or more batches (device tensors: add across steps/ranks, sync only in `summary`)."""
+
+    loss_sum: torch.Tensor  # sum over batches of (weighted mean loss x weight_sum)
+    weight_sum: torch.Tensor
+    slot_correct: torch.Tensor  # [B] argmax == label at valid slots
+    slot_valid: torch.Tensor  # [B] valid (weight > 0) slots
+    accept_at_least: torch.Tensor  # [B] blocks whose accepted prefix A >= k (index k; k = 0 counts blocks)
+    accept_len_sum: torch.Tensor  # sum of A + 1 over real blocks
+
+    def merge(self, other: LossStats) -> LossStats:
+        return LossStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def summary(self) -> dict[str, float]:
+        blocks = max(float(self.accept_at_least[0]), 1.0)
+        out = {
+            "loss": float(self.loss_sum / self.weight_sum.clamp_min(1e-12)),
+            "tau": float(self.accept_len_sum) / blocks,
+            "blocks": float(self.accept_at_least[0]),
+            "acc": float(self.slot_correct[1:].sum() / self.slot_valid[1:].sum().clamp_min(1)),
+        }
+        acc = self.slot_correct / self.slot_valid.clamp_min(1)
+        for k in range(1, self.slot_valid.shape[0]):
+            out[f"acc_{k}"] = float(acc[k])
+            out[f"accept_{k}"] = float(self.accept_at_least[k]) / blocks
+        return out
+
+
+def drafter_loss(
+    model: DFlashDrafter,
+    frozen: FrozenTarget,
+    batch: PackedBatch,
+    *,
+    chunk_rows: int = 2048,
+    attn_mask: AttentionMask | None = None,
+    normalizer: torch.Tensor | float | None = None,
+    feature_noise_std: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """Forward + weighted CE for one packed batch. `normalizer` (e.g. the global weight sum across ranks and
+    micro-batches) replaces this batch's weight sum so that summed losses equal the global mean."""
+    if feature_noise_std > 0:
+        noise = torch.randn(batch.features.shape, generator=generator, device=batch.features.device)
+        batch = _replace_features(batch, batch.features + (noise * feature_noise_std).to(batch.features.dtype))
+    hidden = model(batch, frozen.embed(batch.block_ids), attn_mask)  # [N, B, H]
+    n, b, h = hidden.shape
+    # Slot 0 always has weight 0 (the anchor is given): never spend lm_head FLOPs on it.
+    drafted = hidden[:, 1:].reshape(n * (b - 1), h)
+    labels = batch.labels[:, 1:].reshape(-1)
+    weights = batch.weights[:, 1:].reshape(-1)
+    weight_sum = weights.float().sum()
+    loss, preds = linear_cross_entropy(drafted, frozen.lm_head_weight, labels, weights, chunk_rows=chunk_rows,
+                                       normalizer=weight_sum if normalizer is None else normalizer)
+    with torch.no_grad():
+        preds = preds.view(n, b - 1)
+        valid = batch.weights[:, 1:] > 0
+        correct = (preds == batch.labels[:, 1:]) & valid
+        zero = torch.zeros(1, device=hidden.device)
+        slot_correct = torch.cat([zero, correct.float().sum(0)])
+        slot_valid = torch.cat([zero, valid.float().sum(0)])
+        real = batch.block_seq >= 0
+        accepted = accepted_lengths(preds, batch.labels[:, 1:], valid)[real]
+        ks = torch.arange(b, device=hidden.device)
+        accept_at_least = (accepted[:, None] >= ks).float().sum(0)
+        norm_used = weight_sum if normalizer is None else torch.as_tensor(normalizer, device=hidden.device)
+        stats = LossStats(loss_sum=loss.detach().float() * norm_used.float(), weight_sum=weight_sum,
+                          slot_correct=slot_correct, slot_valid=slot_valid, accept_at_least=accept_at_least,
+                          accept_len_sum=(accepted + 1).float().sum())
+    return loss, stats
+
+
+def _replace_features(batch: PackedBatch, features: torch.Tensor) -> PackedBatch:
+    from .blocks import PackedBatch
+
+    values = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    values["features"] = features
+    return PackedBatch(**values)

@@ -1,0 +1,134 @@
+"""The drafter's attention mask over one packed row, in two implementations built from ONE rule.
+
+Keys are [T context tokens | N*B block tokens]; queries are the N*B block tokens. A query of block n
+(anchor a, sequence s) sees context tokens of sequence s at positions STRICTLY < a and every slot of
+block n (both directions); nothing else. Padding blocks (block_seq = -1) see nothing and output 0.
+
+Public API (stable):
+    mask_mod_for(batch) -> mask_mod(b, h, q_idx, kv_idx)     the rule, FlexAttention's signature
+    dense_mask(batch) -> BoolTensor[N*B, T+N*B]              the rule evaluated densely (CPU, test oracle)
+    DenseMask(allowed).attend(q, k, v, scale)               SDPA with a boolean mask
+    FlexMask(block_mask).attend(q, k, v, scale)             FlexAttention (compiled on CUDA), no dense S x S
+    build_attention_mask(batch, backend="auto") -> DenseMask | FlexMask   ("auto": flex on CUDA, dense elsewhere)
+q: [1, Hq, M, D], k/v: [1, Hkv, T+M, D] (GQA handled inside), output [1, Hq, M, D].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .blocks import PackedBatch
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class AttentionMask(Protocol):
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+def mask_mod_for(batch: PackedBatch) -> MaskMod:
+    """The visibility rule as a FlexAttention mask_mod; also evaluated with broadcasting for the dense mask."""
+    context_seq, context_pos = batch.context_seq, batch.context_pos
+    block_seq, anchor_pos = batch.block_seq, batch.anchor_pos
+    t, b = int(context_seq.shape[0]), batch.block_size
+
+    def mask_mod(_b: torch.Tensor, _h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        block = q_idx // b
+        seq = block_seq[block]
+        ctx = kv_idx.clamp(max=t - 1)  # the index is only used where kv_idx < t
+        sees_context = (context_seq[ctx] == seq) & (context_pos[ctx] < anchor_pos[block])
+        sees_slot = ((kv_idx - t) // b == block) & (seq >= 0)
+        return torch.where(kv_idx < t, sees_context, sees_slot)
+
+    return mask_mod
+
+
+def dense_mask(batch: PackedBatch) -> torch.Tensor:
+    """BoolTensor [M, T+M] (M = N*B): True where a query may attend to a key."""
+    m = batch.num_blocks * batch.block_size
+    device = batch.block_seq.device
+    q_idx = torch.arange(m, device=device)[:, None]
+    kv_idx = torch.arange(batch.num_context_tokens + m, device=device)[None, :]
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    return mask_mod_for(batch)(zero, zero, q_idx, kv_idx)
+
+
+@dataclass(slots=True)
+class DenseMask:
+    """SDPA with a dense boolean mask. Rows with no visible key are computed against their own slot (so no
+    NaN reaches the backward) and then zeroed, matching FlexAttention's output for empty rows."""
+
+    allowed: torch.Tensor  # [M, T+M] bool
+    empty_rows: torch.Tensor  # [M] bool
+
+    @classmethod
+    def from_batch(cls, batch: PackedBatch) -> DenseMask:
+        allowed = dense_mask(batch)
+        empty = ~allowed.any(dim=1)
+        if bool(empty.any()):
+            m, t = allowed.shape[0], batch.num_context_tokens
+            rows = torch.arange(m, device=allowed.device)
+            allowed = allowed.clone()
+            allowed[rows[empty], t + rows[empty]] = True
+        return cls(allowed=allowed, empty_rows=empty)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.masked_fill(self.empty_rows[None, None, :, None], 0.0)
+
+
+_compiled_flex: Callable[..., torch.Tensor] | None = None
+
+
+def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention  # eager reference path (tests on CPU)
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+@dataclass(slots=True)
+class FlexMask:
+    block_mask: object  # torch.nn.attention.flex_attention.BlockMask
+
+    @classmethod
+    def from_batch(cls, batch: PackedBatch, block: int = 128) -> FlexMask:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        m = batch.num_blocks * batch.block_size
+        device = batch.block_seq.device
+        block_mask = create_block_mask(mask_mod_for(batch), B=None, H=None, Q_LEN=m,
+                                       KV_LEN=batch.num_context_tokens + m, device=device,
+                                       BLOCK_SIZE=block, _compile=device.type == "cuda")
+        return cls(block_mask=block_mask)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        fn = _flex_attention(q.device)
+        return fn(q, k, v, block_mask=self.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+    def density(self) -> float:
+        """Fraction of (query block, key block) tiles the kernel visits (1 - sparsity)."""
+        bm = self.block_mask
+        total = bm.kv_num_blocks.shape[-1] * (bm.seq_lengths[1] + bm.BLOCK_SIZE[1] - 1) // bm.BLOCK_SIZE[1]
+        visited = bm.kv_num_blocks.sum() + (bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0)
+        return float(visited) / float(total)
+
+
+def build_attention_mask(batch: PackedBatch, backend: Literal["auto", "dense", "flex"] = "auto") -> DenseMask | FlexMask:
+    """One mask per batch, shared by every layer and head."""
+    if backend not in ("auto", "dense", "flex"):
+        raise ValueError(f"attention backend must be 'auto', 'dense' or 'flex', got {backend!r}")
+    if backend == "auto":
+        backend = "flex" if batch.block_seq.device.type == "cuda" else "dense"
+    return FlexMask.from_batch(batch) if backend == "flex" else DenseMask.from_batch(batch)

@@ -1,0 +1,211 @@
+"""What the user sees: a progress bar, `RUN/metrics.jsonl`, TensorBoard events and PNG plots.
+
+Only rank 0 writes. One JSON object per logged or evaluated step; on `--resume` the records past the
+checkpoint are dropped (they belong to the interrupted trajectory) and TensorBoard purges them too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+PLOTS_DIR = "plots"
+TB_DIR = "tensorboard"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of `RUN/metrics.jsonl` (a torn last line from a crash is ignored)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class MetricsLogger:
+    """Rank-0 sink for training records; a disabled logger (other ranks) ignores every call."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        enabled: bool,
+        start_step: int,
+        total_steps: int,
+        tensorboard: bool = True,
+        plots: bool = True,
+        progress: bool = True,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.plots = plots and enabled
+        self.history: list[dict[str, Any]] = []
+        self._tb = None
+        self._bar = None
+        self._file = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.history = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= start_step]
+        self._rewrite(self.history)
+        self._file = open(self.run_dir / METRICS_FILE, "a")  # noqa: SIM115 (kept open for the run)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(
+                str(self.run_dir / TB_DIR), purge_step=start_step + 1 if start_step else None
+            )
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                disable=None,
+            )
+
+    def _rewrite(self, records: list[dict[str, Any]]) -> None:
+        path = self.run_dir / METRICS_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """Append one record (must hold `step`); scalars also go to TensorBoard."""
+        if not self.enabled:
+            return
+        record = dict(record)
+        self.history.append(record)
+        assert self._file is not None
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, record["step"])
+                elif key == "acceptance_per_position" and isinstance(value, list):
+                    for k, v in enumerate(value, start=1):
+                        self._tb.add_scalar(f"acceptance/pos_{k:02d}", v, record["step"])
+
+    def progress(self, step: int, fields: Mapping[str, Any]) -> None:
+        """Move the bar to `step` and show the latest numbers."""
+        if self._bar is None:
+            return
+        self._bar.update(step - self._bar.n)
+        self._bar.set_postfix(fields, refresh=False)
+
+    def write(self, message: str) -> None:
+        """A line above the bar (or to the log when there is none)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            log.info(message)
+
+    def refresh_plots(self) -> None:
+        """Redraw `RUN/plots/{loss,tau,acceptance}.png` from the history (called after each evaluation)."""
+        if not self.plots or not self.history:
+            return
+        try:
+            write_plots(self.history, self.run_dir / PLOTS_DIR)
+        except Exception as exc:  # a plot must never kill a run
+            log.warning("could not refresh plots: %s", exc)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def write_plots(history: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Loss and tau over steps, and the latest per-position acceptance, as PNGs (written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        path = out_dir / name
+        tmp = out_dir / f".{name}.tmp.png"
+        fig.savefig(tmp, dpi=90, bbox_inches="tight")
+        plt.close(fig)
+        os.replace(tmp, path)
+        written.append(path)
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        pairs = [(r["step"], r[key]) for r in history if isinstance(r.get(key), (int, float))]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("loss", "train loss"), ("eval_loss", "eval loss")):
+        xs, ys = series(key)
+        if xs:
+            ax.plot(xs, ys, label=label, marker="." if key == "eval_loss" else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save(fig, "loss.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("tau", "tau (sampled anchors)"), ("tau_walk", "tau (decode walk)")):
+        xs, ys = series(key)
+        if xs:
+            ax.plot(xs, ys, label=label, marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("acceptance length tau")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save(fig, "tau.png")
+
+    latest = next((r for r in reversed(history) if isinstance(r.get("acceptance_per_position"), list)), None)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if latest is not None:
+        values = latest["acceptance_per_position"]
+        ax.bar(range(1, len(values) + 1), values)
+        ax.set_title(f"step {latest['step']}")
+    ax.set_xlabel("block position k")
+    ax.set_ylabel("P(first k drafts accepted)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3, axis="y")
+    save(fig, "acceptance.png")
+    return written

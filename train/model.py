@@ -1,0 +1,334 @@
+"""The DFlash drafter: N Qwen3-style layers that draft a whole block in one pass from fused target features.
+
+Public API (stable; other modules rely on it):
+    default_target_layer_ids(num_target_layers, k) -> list[int]
+    DrafterConfig (kw_only dataclass) and DrafterConfig.from_target_config(target_config_dict, ...)
+    DFlashDrafter(config)
+        .forward(batch: PackedBatch, block_embeds: Tensor[N, B, H], attn_mask=None) -> Tensor[N, B, H]
+            (final-norm output; logits come from the frozen target lm_head, see `train/loss.py`)
+        .fuse_features(features[T, K*H]) -> Tensor[T, H]
+
+Single device, no distributed code (that lives in `parallelize.py`). Parameter names equal the exported
+checkpoint's names (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`, ...), so `state_dict()` is exported as is.
+See /work/shared/DFLASH.md for the semantics this reproduces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from .blocks import PackedBatch
+    from .mask import AttentionMask
+
+
+def default_target_layer_ids(num_target_layers: int, k: int) -> list[int]:
+    """K target layers evenly spaced from 1 to L-3 (Python `round`, halves to even); one layer -> [L // 2]."""
+    if num_target_layers < 1 or k < 1:
+        raise ValueError(f"need num_target_layers >= 1 and k >= 1, got L={num_target_layers}, k={k}")
+    if k == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise ValueError(f"the default layer rule needs L >= 4 target layers (got {num_target_layers}); "
+                         "pass target_layer_ids explicitly")
+    span = num_target_layers - 4
+    return [round(1 + i * span / (k - 1)) for i in range(k)]
+
+
+def _text_config(target: dict[str, Any]) -> dict[str, Any]:
+    # Qwen3.5-style VLM wrappers keep the language model's settings under `text_config`.
+    inner = target.get("text_config")
+    return {**target, **inner} if isinstance(inner, dict) else target
+
+
+def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from a transformers 4.x (`rope_theta`) or 5.x (`rope_parameters`) config."""
+    params = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise ValueError("target config has neither rope_theta nor rope_parameters.rope_theta")
+    scaling = config.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") not in ("default",):
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in ("default", None):
+        scaling = None
+    return float(theta), scaling
+
+
+@dataclass(kw_only=True, slots=True)
+class DrafterConfig:
+    """Everything that fixes the drafter's shape and semantics; written to the export's config.json."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_hidden_layers: int = 5
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 40960
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    initializer_range: float = 0.02
+    extra: dict[str, Any] = field(default_factory=dict)  # target keys carried into the export untouched
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "num_target_layers", "num_hidden_layers"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"DrafterConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (an anchor plus at least one drafted slot), got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} outside the target's layers 0..{self.num_target_layers - 1}")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"target_layer_ids has duplicates: {list(self.target_layer_ids)}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}")
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target: dict[str, Any],
+        *,
+        mask_token_id: int,
+        num_hidden_layers: int = 5,
+        block_size: int = 16,
+        target_layer_ids: Sequence[int] | None = None,
+        **overrides: Any,
+    ) -> DrafterConfig:
+        """Copy width, heads, rope and vocab from the target's config.json (dict); `overrides` win."""
+        text = _text_config(target)
+        try:
+            hidden = int(text["hidden_size"])
+            heads = int(text["num_attention_heads"])
+            num_target_layers = int(text["num_hidden_layers"])
+            values: dict[str, Any] = dict(
+                hidden_size=hidden,
+                num_attention_heads=heads,
+                num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+                head_dim=int(text.get("head_dim") or hidden // heads),
+                intermediate_size=int(text["intermediate_size"]),
+                vocab_size=int(text["vocab_size"]),
+            )
+        except KeyError as exc:
+            raise ValueError(f"target config lacks {exc.args[0]!r}; is it a decoder-only Qwen config?") from None
+        theta, scaling = rope_settings(text)
+        ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
+            num_target_layers, num_hidden_layers)
+        values.update(
+            num_target_layers=num_target_layers,
+            target_layer_ids=tuple(ids),
+            mask_token_id=mask_token_id,
+            num_hidden_layers=num_hidden_layers,
+            block_size=block_size,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(text.get("max_position_embeddings", 40960)),
+            bos_token_id=text.get("bos_token_id", target.get("bos_token_id")),
+            eos_token_id=text.get("eos_token_id", target.get("eos_token_id")),
+        )
+        known = {f.name for f in fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown DrafterConfig fields {sorted(unknown)}; known: {sorted(known)}")
+        values.update(overrides)
+        return cls(**values)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate halves). Only default/linear scaling: what Qwen3 drafters use."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        scaling = config.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "linear"):
+            raise ValueError(f"rope_scaling type {kind!r} is not supported by the drafter; use rope_scaling=None")
+        self.position_scale = 1.0 / float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0
+        dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.float()[..., None] * self.position_scale * self.inv_freq.float()
+        emb = torch.cat([angles, angles], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [L, heads, D]; cos/sin [L, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, rope_blocks: tuple[torch.Tensor, torch.Tensor],
+                rope_context: tuple[torch.Tensor, torch.Tensor], attn_mask: AttentionMask) -> torch.Tensor:
+        """x: normed block tokens [M, H]; context: fused target features [T, H]. Returns [M, H]."""
+        m, t, d = x.shape[0], context.shape[0], self.head_dim
+        q = apply_rope(self.q_norm(self.q_proj(x).view(m, self.num_heads, d)), *rope_blocks)
+        # Context keys/values come from THIS layer's projections of the shared fused vectors (KV injection).
+        k_ctx = apply_rope(self.k_norm(self.k_proj(context).view(t, self.num_kv_heads, d)), *rope_context)
+        k_blk = apply_rope(self.k_norm(self.k_proj(x).view(m, self.num_kv_heads, d)), *rope_blocks)
+        v_ctx = self.v_proj(context).view(t, self.num_kv_heads, d)
+        v_blk = self.v_proj(x).view(m, self.num_kv_heads, d)
+        k = torch.cat([k_ctx, k_blk], dim=0).transpose(0, 1)[None]
+        v = torch.cat([v_ctx, v_blk], dim=0).transpose(0, 1)[None]
+        out = attn_mask.attend(q.transpose(0, 1)[None], k, v, scale=d**-0.5)  # [1, heads, M, D]
+        return self.o_proj(out[0].transpose(0, 1).reshape(m, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, rope_blocks: tuple[torch.Tensor, torch.Tensor],
+                rope_context: tuple[torch.Tensor, torch.Tensor], attn_mask: AttentionMask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_blocks, rope_context, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The trainable drafter. The target's embedding and lm_head are NOT part of it (see `train/frozen.py`)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(config.num_features * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """From-scratch init as HF Qwen3 does: linears N(0, initializer_range), norms 1."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=self.config.initializer_range)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """[T, K*H] concatenated target layers -> [T, H] context vectors shared by every layer."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def forward(self, batch: PackedBatch, block_embeds: torch.Tensor,
+                attn_mask: AttentionMask | None = None) -> torch.Tensor:
+        """Block hidden states [N, B, H] after the final norm, for the blocks of a packed batch.
+
+        `block_embeds` = frozen target embedding of `batch.block_ids` ([N, B, H]); `attn_mask` defaults to
+        `mask.build_attention_mask(batch)` (FlexAttention on CUDA, dense SDPA elsewhere).
+        """
+        if attn_mask is None:
+            from .mask import build_attention_mask
+
+            attn_mask = build_attention_mask(batch)
+        n, b = batch.block_ids.shape
+        if block_embeds.shape[:2] != (n, b):
+            raise ValueError(f"block_embeds has shape {tuple(block_embeds.shape)}, expected ({n}, {b}, H)")
+        dtype = self.fc.weight.dtype
+        context = self.fuse_features(batch.features)
+        slots = torch.arange(b, device=batch.anchor_pos.device)
+        block_pos = (batch.anchor_pos[:, None] + slots).reshape(-1)
+        rope_blocks = self.rotary(block_pos, dtype)
+        rope_context = self.rotary(batch.context_pos, dtype)
+        x = block_embeds.reshape(n * b, -1).to(dtype)
+        for layer in self.layers:
+            x = layer(x, context, rope_blocks, rope_context, attn_mask)
+        return self.norm(x).view(n, b, -1)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def flops_per_step(config: DrafterConfig, context_tokens: int, num_blocks: int, visible_keys: float) -> dict[str, float]:
+    """Forward matmul FLOPs (2 per multiply-add) of one packed step; backward counted as 2x forward.
+
+    `visible_keys` = mean number of keys a query attends to (mask density x key count), so the attention
+    term counts only the work a block-sparse kernel has to do. The frozen lm_head's loss counts forward
+    logits plus one grad-input matmul (no weight grad).
+    """
+    h, d, m = config.hidden_size, config.head_dim, num_blocks * config.block_size
+    hq, hkv, i = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
+    per_layer = (2 * m * h * (hq + 2 * hkv) + 2 * context_tokens * h * 2 * hkv + 2 * m * hq * h
+                 + 2 * m * h * i * 3 + 4 * m * visible_keys * hq)
+    fc = 2 * context_tokens * config.num_features * h * h
+    drafter_fwd = config.num_hidden_layers * per_layer + fc
+    lm_head = 2 * m * h * config.vocab_size
+    total = 3 * drafter_fwd + 2 * lm_head
+    return {"drafter_forward": drafter_fwd, "lm_head_forward": lm_head, "total": total,
+            "attention_fraction": config.num_hidden_layers * 4 * m * visible_keys * hq * 3 / total}
+

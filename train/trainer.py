@@ -1,0 +1,444 @@
+"""The training loop: build -> (resume) -> stream, step, log, evaluate, checkpoint -> close.
+
+One flat function with `# ---` sections, read top-down. Everything that decides the trajectory
+(weights, optimizer, schedule position, data position, anchors, global RNGs) is in the checkpoint,
+so on the CPU a resumed run reproduces the uninterrupted losses bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from dflash.shards import Cache, Manifest, diff_manifests, target_fingerprint
+from dflash.shards.errors import ManifestMismatch
+from dflash.shards.manifest import PROVENANCE_FIELDS, canonical_json
+
+from . import checkpoint as ckpt
+from .config import TrainConfig, config_from_flat
+from .evaluate import build_eval_set, evaluate
+from .export import export_drafter
+from .frozen import FrozenTarget, load_frozen_target
+from .loader import StreamingLoader, check_layers
+from .loss import drafter_loss
+from .metrics import MetricsLogger, format_eta
+from .model import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from .parallelize import (
+    DistInfo,
+    all_reduce_sum,
+    barrier,
+    init_distributed,
+    no_sync_unless,
+    shutdown,
+    wrap_model,
+)
+
+log = logging.getLogger(__name__)
+EXPORT_DIR = "export"
+# Settings a resume may change: they do not alter the trajectory (or only extend it).
+RESUMABLE_KEYS = frozenset(
+    {
+        "cache",
+        "out",
+        "resume",
+        "device",
+        "eval_every",
+        "save_every",
+        "log_every",
+        "keep_checkpoints",
+        "tensorboard",
+        "plots",
+        "progress",
+        "loader_threads",
+        "prefetch_batches",
+        "max_steps",
+        "epochs",
+        "eval_samples",
+    }
+)
+
+
+@dataclass(slots=True)
+class TrainResult:
+    step: int
+    run_dir: Path
+    last_checkpoint: Path | None
+    best_tau: float | None
+    final_metrics: dict[str, Any]
+
+
+def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min_lr_frac: float) -> float:
+    """Linear warmup over `warmup_steps`, then cosine from `base_lr` down to `min_lr_frac * base_lr`."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return base_lr * (min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def estimate_total_steps(manifest: Manifest, cfg: TrainConfig, world_size: int) -> int:
+    """Optimizer steps of the whole run from the manifest's totals (no shard is read).
+
+    Greedy packing fills a batch to about budget - mean_length/2; the estimate only shapes the
+    cosine tail, and is stored in the checkpoint so a resume keeps the same schedule.
+    """
+    rows = max(1, manifest.rows)
+    mean_len = min(manifest.tokens / rows, cfg.data.max_length)
+    tokens = rows * mean_len * (1 - cfg.data.eval_fraction)
+    per_batch = max(mean_len, cfg.data.token_budget - mean_len / 2)
+    batches = math.ceil(tokens / per_batch)
+    steps = math.ceil(batches / (world_size * cfg.optim.grad_accum)) * cfg.optim.epochs
+    return max(1, min(steps, cfg.optim.max_steps) if cfg.optim.max_steps else steps)
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    d = manifest.to_dict()
+    keep = {k: d[k] for k in PROVENANCE_FIELDS} | {
+        "shards": [(s["name"], s["index_checksum"]) for s in d["shards"]]
+    }
+    return hashlib.sha256(canonical_json(keep)).hexdigest()
+
+
+def resolve_layer_ids(cfg: TrainConfig, num_target_layers: int, cached: list[int]) -> tuple[int, ...]:
+    """Explicit ids, else the DFlash default rule; either way every id must be cached."""
+    if cfg.drafter.target_layer_ids is not None:
+        ids = cfg.drafter.target_layer_ids
+    else:
+        ids = tuple(default_target_layer_ids(num_target_layers, cfg.drafter.num_draft_layers))
+        missing = [i for i in ids if i not in cached]
+        if missing:
+            raise ValueError(
+                f"the default target_layer_ids {list(ids)} (a {num_target_layers}-layer target, "
+                f"{cfg.drafter.num_draft_layers} draft layers) are not all cached: the cache holds {cached}; "
+                "pass --target-layer-ids chosen from those"
+            )
+    check_layers(ids, cached)
+    return tuple(ids)
+
+
+def check_cache(cache: Cache, frozen: FrozenTarget, drafter_cfg: DrafterConfig) -> None:
+    """Refuse a cache whose provenance does not match the target files or the drafter's width."""
+    m = cache.manifest
+    problems = []
+    want_sha = m.target.get("config_sha256")
+    have_sha = target_fingerprint(frozen.config)
+    if want_sha and want_sha != have_sha:
+        problems.append(f"target.config_sha256: {want_sha} (manifest) != {have_sha} (target/config.json)")
+    if m.hidden_size != drafter_cfg.hidden_size:
+        problems.append(f"hidden_size: {m.hidden_size} (cache) != {drafter_cfg.hidden_size} (target config)")
+    if frozen.hidden_size != drafter_cfg.hidden_size:
+        problems.append(f"frozen embed width {frozen.hidden_size} != hidden_size {drafter_cfg.hidden_size}")
+    if problems:
+        raise ManifestMismatch(f"{cache.path}: cache does not match its target", problems)
+
+
+def _check_resume(saved: dict[str, Any], cfg: TrainConfig, manifest: Manifest) -> None:
+    now = cfg.to_flat()
+    changed = [
+        f"{k}: {saved['config'].get(k)!r} (checkpoint) != {now[k]!r}"
+        for k in sorted(now)
+        if k not in RESUMABLE_KEYS and saved["config"].get(k) != now[k]
+    ]
+    if changed:
+        raise ValueError(
+            f"--resume with settings that change the trajectory: {'; '.join(changed)}; "
+            "use the checkpoint's settings or start a new --out"
+        )
+    diffs = diff_manifests(saved["cache_provenance"], manifest.to_dict())
+    if diffs:
+        raise ManifestMismatch("--resume against a different cache", diffs)
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    # --- process group, run directory, seeds --------------------------------------------------------
+    info: DistInfo = init_distributed(cfg.device)
+    run_dir = Path(cfg.out)
+    resume_from = ckpt.latest_checkpoint(run_dir) if cfg.resume else None
+    if not cfg.resume and ckpt.list_checkpoints(run_dir):
+        raise ValueError(
+            f"{run_dir} already holds checkpoints: pass --resume to continue, or choose a new --out"
+        )
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed % 2**32)
+    random.seed(cfg.seed)
+    device = info.device
+
+    # --- cache, frozen target, drafter ----------------------------------------------------------------
+    cache = Cache.open(cfg.cache)
+    frozen_cpu = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
+    layer_ids = resolve_layer_ids(cfg, frozen_cpu.num_layers, cache.layers)
+    drafter_cfg = DrafterConfig.from_target_config(
+        frozen_cpu.config,
+        mask_token_id=frozen_cpu.mask_token_id,
+        num_hidden_layers=cfg.drafter.num_draft_layers,
+        block_size=cfg.drafter.block_size,
+        target_layer_ids=layer_ids,
+    )
+    check_cache(cache, frozen_cpu, drafter_cfg)
+    frozen = frozen_cpu.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = DFlashDrafter(drafter_cfg).to(device)  # fp32 master weights; bf16 compute via autocast on CUDA
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    param_names = [n for n, _ in named]
+    optimizer = torch.optim.AdamW(
+        [p for _, p in named],
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        weight_decay=cfg.optim.weight_decay,
+        fused=device.type == "cuda" or None,
+    )
+    heldout_rows = _read_eval_rows(cfg.data.eval_rows)
+    loader = StreamingLoader(
+        cache,
+        layer_ids=layer_ids,
+        block_size=cfg.drafter.block_size,
+        mask_token_id=drafter_cfg.mask_token_id,
+        num_anchors=cfg.drafter.num_anchors,
+        gamma=cfg.drafter.loss_gamma,
+        token_budget=cfg.data.token_budget,
+        max_length=cfg.data.max_length,
+        shuffle_window=cfg.data.shuffle_window,
+        loader_threads=cfg.data.loader_threads,
+        prefetch_batches=cfg.data.prefetch_batches,
+        on_corrupt=cfg.data.on_corrupt,
+        heldout_fraction=cfg.data.eval_fraction,
+        heldout_rows=heldout_rows,
+        seed=cfg.seed,
+        epochs=cfg.optim.epochs,
+        rank=info.rank,
+        world_size=info.world_size,
+        device=device,
+    )
+
+    # --- resume ---------------------------------------------------------------------------------------
+    step, best_tau = 0, None
+    total_steps = estimate_total_steps(cache.manifest, cfg, info.world_size)
+    if resume_from is not None:
+        saved_meta = ckpt.read_json(resume_from / "meta.json")
+        _check_resume(saved_meta, cfg, cache.manifest)
+        meta, loader_state = ckpt.load_checkpoint(
+            resume_from, model=model, optimizer=optimizer, param_names=param_names
+        )
+        loader.load_state_dict(loader_state)
+        step, total_steps, best_tau = meta["step"], meta["total_steps"], meta.get("best_tau")
+    max_steps = cfg.optim.max_steps or total_steps * 10**6  # epochs end the run unless a step budget does
+    warmup_steps = round(cfg.optim.warmup_frac * total_steps)
+    ddp_model = wrap_model(model, info)
+    logger = MetricsLogger(
+        run_dir,
+        enabled=info.is_main,
+        start_step=step,
+        total_steps=min(total_steps, max_steps),
+        tensorboard=cfg.tensorboard,
+        plots=cfg.plots,
+        progress=cfg.progress,
+    )
+    if info.is_main:
+        logger.write(
+            f"dflash-train: {model.num_parameters() / 1e6:.1f}M drafter params, layers {list(layer_ids)}, "
+            f"{cache.manifest.rows} cached rows, ~{total_steps} steps, world {info.world_size}, "
+            f"{'resuming at step ' + str(step) if step else 'from scratch'}"
+        )
+    eval_set = None
+    meta_base = {
+        "config": cfg.to_flat(),
+        "drafter": dataclasses.asdict(drafter_cfg),
+        "total_steps": total_steps,
+        "manifest_sha256": manifest_digest(cache.manifest),
+        "world_size": info.world_size,
+        "cache_provenance": {k: cache.manifest.to_dict()[k] for k in PROVENANCE_FIELDS},
+    }
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    )
+
+    def save(path: Path, loader_state: dict[str, Any], extra: dict[str, Any]) -> Path:
+        return ckpt.save_checkpoint(
+            path,
+            step,
+            model=model,
+            optimizer=optimizer,
+            param_names=param_names,
+            loader_state=loader_state,
+            meta={**meta_base, "best_tau": best_tau, **extra},
+        )
+
+    # --- the loop ---------------------------------------------------------------------------------------
+    batches = loader.iterate()
+    loader_state = loader.state_dict()
+    window = dict.fromkeys(("loss_sum", "weight_sum", "tokens", "wait", "time"), 0.0)
+    last_saved, last_record, last_tau = None, {}, None
+    started = time.perf_counter()
+    t_wait = time.perf_counter()
+    lookahead = next(batches, None)  # one batch ahead, so the last step is known when it runs
+    first_wait = time.perf_counter() - t_wait
+    try:
+        while lookahead is not None and step < max_steps:
+            # --- take grad_accum micro-batches (time blocked on the loader is data wait)
+            t_step = time.perf_counter()
+            wait = first_wait
+            first_wait = 0.0
+            micro = []
+            while lookahead is not None and len(micro) < cfg.optim.grad_accum:
+                micro.append(lookahead[0])
+                loader_state = lookahead[1]
+                t_wait = time.perf_counter()
+                lookahead = next(batches, None)
+                wait += time.perf_counter() - t_wait
+            # --- forward/backward; the loss is normalised by the weight sum over micro-batches and ranks
+            local_weight = sum(m.weight_sum for m in micro)
+            global_weight = all_reduce_sum([local_weight], info)[0]
+            normalizer = max(global_weight, 1e-12) / info.world_size  # DDP averages gradients over ranks
+            loss_sum = 0.0
+            for i, loaded in enumerate(micro):
+                batch = loaded.wait()
+                with no_sync_unless(ddp_model, i == len(micro) - 1), autocast:
+                    loss, stats = drafter_loss(ddp_model, frozen, batch, normalizer=normalizer)
+                    (loss * loaded.loss_scale).backward()
+                if loaded.loss_scale:
+                    loss_sum += float(stats.loss_sum)
+            # --- clip, schedule, step
+            grad_norm = (
+                float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
+                if cfg.optim.grad_clip > 0
+                else float("nan")
+            )
+            lr = lr_at(
+                step,
+                base_lr=cfg.optim.lr,
+                warmup_steps=warmup_steps,
+                total_steps=total_steps,
+                min_lr_frac=cfg.optim.min_lr_frac,
+            )
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            window["loss_sum"] += loss_sum
+            window["weight_sum"] += local_weight
+            window["tokens"] += sum(m.tokens for m in micro if m.loss_scale)
+            window["wait"] += wait
+            window["time"] += time.perf_counter() - t_step
+            last_step = step >= max_steps or lookahead is None
+            do_eval = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or last_step)
+            # --- log (one small all-reduce on log steps)
+            if step % max(cfg.log_every, 1) == 0 or last_step or do_eval:
+                loss_all, weight_all, tokens_all, wait_all, time_all, skipped_all = all_reduce_sum(
+                    [*window.values(), float(loader_state["skipped_samples"])], info
+                )
+                last_record = {
+                    "step": step,
+                    "epoch": micro[-1].epoch,
+                    "loss": loss_all / max(weight_all, 1e-12),
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tokens_all / max(time_all / info.world_size, 1e-9),
+                    "data_wait_frac": wait_all / max(time_all, 1e-9),
+                    "skipped_samples": int(skipped_all),
+                }
+                window = dict.fromkeys(window, 0.0)
+            # --- evaluate (rank 0; the others wait at the barrier)
+            if do_eval:
+                if eval_set is None:
+                    eval_set = build_eval_set(
+                        cache,
+                        max_samples=cfg.data.eval_samples,
+                        token_budget=cfg.data.token_budget,
+                        max_length=cfg.data.max_length,
+                        heldout_fraction=cfg.data.eval_fraction,
+                        heldout_rows=heldout_rows,
+                    )
+                if info.is_main:
+                    result = evaluate(
+                        model,
+                        frozen,
+                        cache,
+                        eval_set,
+                        layer_ids=layer_ids,
+                        block_size=cfg.drafter.block_size,
+                        mask_token_id=drafter_cfg.mask_token_id,
+                        num_anchors=cfg.drafter.num_anchors,
+                        gamma=cfg.drafter.loss_gamma,
+                        max_length=cfg.data.max_length,
+                        seed=cfg.seed,
+                        device=device,
+                        threads=cfg.data.loader_threads,
+                    )
+                    last_record = {**last_record, "step": step, **result}
+                    last_tau = result.get("tau", last_tau)
+                    if result.get("tau") is not None and (best_tau is None or result["tau"] > best_tau):
+                        best_tau = result["tau"]
+                        save(run_dir / ckpt.BEST_DIR, loader_state, {"eval": result})
+                        export_drafter(model, drafter_cfg, run_dir / EXPORT_DIR)
+                barrier(info)
+            if last_record.get("step") == step and (cfg.log_every or do_eval):
+                logger.log(last_record)
+                if do_eval:
+                    logger.refresh_plots()
+            rate = step / max(time.perf_counter() - started, 1e-9)
+            logger.progress(
+                step,
+                {
+                    "ep": micro[-1].epoch,
+                    "loss": f"{last_record.get('loss', float('nan')):.3f}",
+                    "tau": f"{last_tau if last_tau is not None else float('nan'):.2f}",
+                    "tok/s": f"{last_record.get('tokens_per_s', 0):.0f}",
+                    "wait": f"{100 * last_record.get('data_wait_frac', 0):.0f}%",
+                    "eta": format_eta((min(total_steps, max_steps) - step) / max(rate, 1e-9)),
+                },
+            )
+            # --- checkpoint (rank 0 writes; the others wait so nobody races ahead of a slow disk)
+            if (cfg.save_every and step % cfg.save_every == 0) or last_step:
+                if info.is_main:
+                    last_saved = save(
+                        run_dir / ckpt.CHECKPOINT_DIR / ckpt.step_dir_name(step), loader_state, {}
+                    )
+                    ckpt.prune_checkpoints(run_dir, cfg.keep_checkpoints)
+                barrier(info)
+    finally:
+        batches.close()
+        logger.close()
+
+    # --- close -------------------------------------------------------------------------------------------
+    if loader.bad_shards or loader_state["skipped_samples"]:
+        log.warning(
+            "skipped %d corrupt samples and %d unreadable shards (%s)",
+            loader_state["skipped_samples"],
+            len(loader.bad_shards),
+            ", ".join(sorted(loader.bad_shards)) or "none",
+        )
+    cache.close()
+    shutdown(info)
+    return TrainResult(
+        step=step, run_dir=run_dir, last_checkpoint=last_saved, best_tau=best_tau, final_metrics=last_record
+    )
+
+
+def _read_eval_rows(path: str | None) -> frozenset[int]:
+    """Row ids held out explicitly: a JSON list or one integer per line."""
+    if not path:
+        return frozenset()
+    text = Path(path).read_text().strip()
+    try:
+        rows = json.loads(text) if text.startswith("[") else [int(x) for x in text.split()]
+        return frozenset(int(r) for r in rows)
+    except ValueError:
+        raise ValueError(
+            f"--eval-rows {path}: expected a JSON list of row ids or one integer per line"
+        ) from None
+
+
+def config_of_checkpoint(path: str | Path) -> TrainConfig:
+    """The TrainConfig a checkpoint was written with (from its meta.json)."""
+    return config_from_flat(ckpt.read_json(Path(path) / "meta.json")["config"])

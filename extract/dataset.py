@@ -98,6 +98,7 @@ class TokenDataset:
         # The plan trusts `seq_len` when present; `validate` checks it against the offsets.
         self.seq_len = seq_len_column if seq_len_column is not None else self.list_lengths
         self._row_index: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._values: dict[np.dtype | None, tuple[list[np.ndarray], list[np.ndarray | None]]] = {}
 
     @property
     def num_chunks(self) -> int:
@@ -111,6 +112,28 @@ class TokenDataset:
             )
             self._row_index = (chunk_of_row, _row_starts(self.input_ids), _row_starts(self.loss_mask))
         return self._row_index
+
+    def value_views(
+        self, mask_dtype: np.dtype | None = None
+    ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+        """Per-chunk values of input_ids and loss_mask (None for bit-packed masks: use `ListChunk.dense`).
+
+        With `mask_dtype` of one byte (uint8/int8/bool), one-byte masks come as views of that dtype so
+        copying them is a memcpy, not a cast (values are 0/1 once validated, so a bool view is exact).
+        """
+        key = np.dtype(mask_dtype) if mask_dtype is not None else None
+        if key not in self._values:
+            ids = [c.values for c in self.input_ids]
+            masks: list[np.ndarray | None] = []
+            for c in self.loss_mask:
+                if c.is_bits:
+                    masks.append(None)
+                elif key is not None and key.itemsize == 1 and c.values.dtype.itemsize == 1:
+                    masks.append(c.values.view(key))
+                else:
+                    masks.append(c.values)
+            self._values[key] = (ids, masks)
+        return self._values[key]
 
     def fingerprint(self) -> dict:
         """What identifies this dataset for the cache manifest (cheap: no token bytes are hashed)."""

@@ -14,7 +14,15 @@ from pathlib import Path
 
 from .config import ExtractConfig
 from .dataset import TokenDataset, open_dataset
-from .plan import Batch, WorkUnit, bytes_per_token, estimate_cache_bytes, plan_batches, plan_stats, plan_units
+from .plan import (
+    BatchPlan,
+    WorkUnit,
+    bytes_per_token,
+    estimate_cache_bytes,
+    plan_batches,
+    plan_stats,
+    plan_units,
+)
 from .validate import DatasetReport, validate
 
 
@@ -71,7 +79,7 @@ class PreparedRun:
     layers: list[int]
     dataset: TokenDataset
     report: DatasetReport
-    batches: list[Batch]
+    batches: BatchPlan
     units: list[WorkUnit]
     seconds: dict[str, float]
 

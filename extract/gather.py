@@ -68,17 +68,22 @@ def gather(
 
     lengths = batch.lengths
     len_np[:] = lengths
-    np.less(np.arange(T), lengths[:, None], out=am_np, casting="unsafe")
+    # Memset-speed fills, then three slice copies per row: measured fastest (a broadcast compare into an
+    # int64 attention mask costs ~1 ns/element; per-row tail fills add a numpy call each).
     ids_np.fill(pad_id)
+    am_np.fill(0)
     lm_np.fill(0)
     chunk_of_row, ids_start, mask_start = ds.row_locations()
     chunks = chunk_of_row[batch.rows].tolist()
     id_starts = ids_start[batch.rows].tolist()
     mask_starts = mask_start[batch.rows].tolist()
-    id_chunks, mask_chunks = ds.input_ids, ds.loss_mask
+    id_values, mask_values = ds.value_views(lm_np.dtype)
+    mask_chunks = ds.loss_mask
     for i, (c, s, m, n) in enumerate(zip(chunks, id_starts, mask_starts, lengths.tolist(), strict=True)):
-        ids_np[i, :n] = id_chunks[c].values[s : s + n]
-        lm_np[i, :n] = mask_chunks[c].dense(m, m + n)
+        ids_np[i, :n] = id_values[c][s : s + n]
+        am_np[i, :n] = 1
+        mv = mask_values[c]
+        lm_np[i, :n] = mv[m : m + n] if mv is not None else mask_chunks[c].dense(m, m + n)
     return GatheredBatch(
         rows=batch.rows, input_ids=ids_out, attention_mask=am_out, loss_mask=lm_out, lengths=len_out
     )

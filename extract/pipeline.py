@@ -19,13 +19,12 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
 from dflash.shards.codecs import get_codec
 from dflash.shards.errors import ShardError
 from dflash.shards.manifest import Manifest, ShardInfo, save_manifest, target_info
@@ -34,8 +33,9 @@ from dflash.shards.writer import ShardMeta, shard_name
 from .config import ExtractConfig
 from .dataset import open_dataset
 from .plan import Batch, WorkUnit, bytes_per_token, plan_batches, plan_units
-from .stages import Channel, GpuStep, StageClock, StageStats, Stopped, drain, load_batches, write_shards
-from .target import load_target, read_target_info
+from .result import ExtractResult, format_summary
+from .stages import Channel, GpuStep, StageStats, Stopped, drain, load_batches, write_shards
+from .target import CapturingTarget, load_target, read_target_info
 from .target_parts import write_target_parts
 from .units import (
     SHARDS_DIR,
@@ -50,65 +50,6 @@ from .validate import validate
 
 log = logging.getLogger(__name__)
 GB = 1e9
-
-
-@dataclass(kw_only=True, slots=True)
-class ExtractResult:
-    """What one process did (and whether the cache is now complete); `to_dict` is the --json output."""
-
-    cache: str
-    complete: bool
-    rank: int = 0
-    world_size: int = 1
-    device: str = "cpu"
-    units_total: int = 0
-    units_done: int = 0  # by this process in this run
-    units_committed: int = 0  # in the cache, all runs and ranks
-    rows: int = 0
-    rows_skipped: int = 0
-    tokens: int = 0
-    bytes_written: int = 0
-    raw_bytes: int = 0
-    seconds: float = 0.0
-    cpu_seconds: float = 0.0
-    gpu_compute_s: float = 0.0
-    gpu_wait_fraction: float = 0.0
-    encode_cpu_s: float = 0.0
-    stages: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.bytes_written / self.tokens if self.tokens else 0.0
-
-    @property
-    def ratio(self) -> float:
-        return self.raw_bytes / self.bytes_written if self.bytes_written else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(tokens_per_s=self.tokens_per_s, bytes_per_token=self.bytes_per_token, ratio=self.ratio,
-                 cpu_cores_used=self.cpu_seconds / self.seconds if self.seconds else 0.0)
-        return d
-
-
-def format_summary(r: ExtractResult) -> str:
-    """The closing table: totals, then each stage's busy and waiting seconds."""
-    lines = [
-        f"cache {r.cache}: {'complete' if r.complete else 'INCOMPLETE'}, units {r.units_committed}/{r.units_total} "
-        f"committed ({r.units_done} by this process, rank {r.rank}/{r.world_size} on {r.device})",
-        f"rows {r.rows:,}  tokens {r.tokens:,}  in {r.seconds:,.1f} s = {r.tokens_per_s:,.0f} tokens/s; "
-        f"{r.bytes_written / 1e6:,.1f} MB written, {r.bytes_per_token:,.0f} B/token, ratio {r.ratio:.2f}x; "
-        f"CPU cores used {r.cpu_seconds / max(r.seconds, 1e-9):.1f}",
-        f"GPU (forward) wait fraction {r.gpu_wait_fraction:.1%}  (compute {r.gpu_compute_s:,.1f} s)",
-        f"{'stage':<10}{'busy s':>10}{'wait in s':>11}{'wait out s':>12}{'waiting':>9}",
-    ]
-    for name, s in r.stages.items():
-        lines.append(f"{name:<10}{s['busy_s']:>10.2f}{s['wait_in_s']:>11.2f}{s['wait_out_s']:>12.2f}{s['wait_fraction']:>9.1%}")
-    return "\n".join(lines)
 
 
 def resolve_device(device: str, local_rank: int) -> torch.device:
@@ -163,9 +104,14 @@ def _prepare(config: ExtractConfig, rank: RankInfo) -> _Setup:
     codec = get_codec(config.codec)
     ds = open_dataset(config.dataset, config.columns)
     report = validate(ds, vocab_size=info.vocab_size, max_len=config.max_len, overlong=config.overlong)
-    batches = plan_batches(report.rows, report.lengths, token_budget=config.token_budget, pad_multiple=config.pad_multiple)
-    units = plan_units(batches, bytes_per_token=bytes_per_token(config.codec, len(layers), info.hidden_size),
-                       unit_bytes=config.unit_bytes)
+    batches = plan_batches(
+        report.rows, report.lengths, token_budget=config.token_budget, pad_multiple=config.pad_multiple
+    )
+    units = plan_units(
+        batches,
+        bytes_per_token=bytes_per_token(config.codec, len(layers), info.hidden_size),
+        unit_bytes=config.unit_bytes,
+    )
     compute = str(dtype).removeprefix("torch.")
     stored = codec.stored_dtype(compute)
     manifest = Manifest(
@@ -175,13 +121,38 @@ def _prepare(config: ExtractConfig, rank: RankInfo) -> _Setup:
         hidden_size=info.hidden_size,
         codec=codec.to_dict(),
         dataset=ds.fingerprint(),
-        options={"max_len": config.max_len, "overlong": config.overlong, "token_budget": config.token_budget,
-                 "pad_multiple": config.pad_multiple, "unit_bytes": config.unit_bytes, "compute_dtype": compute},
-        plan={"units": len(units), "batches": len(batches), "rows": int(len(report.rows)), "tokens": report.tokens,
-              "sha256": plan_digest(batches, units)},
+        options={
+            "max_len": config.max_len,
+            "overlong": config.overlong,
+            "token_budget": config.token_budget,
+            "pad_multiple": config.pad_multiple,
+            "unit_bytes": config.unit_bytes,
+            "compute_dtype": compute,
+        },
+        plan={
+            "units": len(units),
+            "batches": len(batches),
+            "rows": len(report.rows),
+            "tokens": report.tokens,
+            "sha256": plan_digest(batches, units),
+        },
     )
     meta = ShardMeta(codec=codec, layers=layers, hidden_size=info.hidden_size, dtype=stored)
-    return _Setup(config, rank, device, dtype, layers, info.hidden_size, codec, ds, report, batches, units, manifest, meta)
+    return _Setup(
+        config,
+        rank,
+        device,
+        dtype,
+        layers,
+        info.hidden_size,
+        codec,
+        ds,
+        report,
+        batches,
+        units,
+        manifest,
+        meta,
+    )
 
 
 def _check_disk(s: _Setup, committed: set[int]) -> None:
@@ -248,13 +219,31 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
     shard_path = lambda u: cfg.out / SHARDS_DIR / shard_name(u)  # noqa: E731
     pool = ThreadPoolExecutor(max_workers=threads_n, thread_name_prefix="dflash-encode")
     threads = [
-        threading.Thread(target=guarded, name="dflash-loader",
-                         args=(load_batches, s.ds, work, q_in, stats.clock("gather"), cuda)),
-        threading.Thread(target=guarded, name="dflash-drain",
-                         args=(drain, q_out, q_write, pool, s.codec, fp8, stats.clock("d2h"), stats, add_encode)),
-        threading.Thread(target=guarded, name="dflash-writer",
-                         args=(write_shards, q_write, shard_path, s.meta, stats.clock("write"), stats,
-                               raw_per_token, progress, lambda info: None)),
+        threading.Thread(
+            target=guarded,
+            name="dflash-loader",
+            args=(load_batches, s.ds, work, q_in, stats.clock("gather"), cuda),
+        ),
+        threading.Thread(
+            target=guarded,
+            name="dflash-drain",
+            args=(drain, q_out, q_write, pool, s.codec, fp8, stats.clock("d2h"), stats, add_encode),
+        ),
+        threading.Thread(
+            target=guarded,
+            name="dflash-writer",
+            args=(
+                write_shards,
+                q_write,
+                shard_path,
+                s.meta,
+                stats.clock("write"),
+                stats,
+                raw_per_token,
+                progress,
+                lambda info: None,
+            ),
+        ),
     ]
     for t in threads:
         t.start()
@@ -309,13 +298,25 @@ def _finalize(s: _Setup) -> Manifest:
     return m
 
 
-def run_extraction(config: ExtractConfig, *, takeover_grace_s: float = 30.0) -> ExtractResult:
-    """Extract (or resume) `config.out` on this process's share of the work; see the module docstring."""
+def run_extraction(
+    config: ExtractConfig, *, takeover_grace_s: float = 30.0, target: CapturingTarget | None = None
+) -> ExtractResult:
+    """Extract (or resume) `config.out` on this process's share of the work; see the module docstring.
+
+    takeover_grace_s: how long rank 0 waits, with units left and no other rank alive, before doing them.
+    target: an already loaded `CapturingTarget` for `config.target` (benchmarks build random-weight
+    targets in memory); its layer ids must be the ones the config resolves to.
+    """
     if config.dry_run or config.out is None:
         raise ValueError("run_extraction needs --out and no --dry-run (the dry run is the CLI's plan report)")
-    t_start, cpu_start = time.perf_counter(), time.process_time()
+    t_start = time.perf_counter()
     rank = RankInfo.from_env()
     s = _prepare(config, rank)
+    if target is not None and list(target.layer_ids) != s.layers:
+        raise ValueError(
+            f"the preloaded target captures layers {target.layer_ids}, the config asks for {s.layers}"
+        )
+    extract_s = cpu_s = 0.0
     out = Path(config.out)
     locks = RunLocks(out, rank)
     locks.acquire()
@@ -323,7 +324,11 @@ def run_extraction(config: ExtractConfig, *, takeover_grace_s: float = 30.0) -> 
     done: list[int] = []
     try:
         if rank.rank == 0:
-            current = check_or_write_manifest(out, s.manifest, write=False) if (out / "manifest.json").is_file() else None
+            current = (
+                check_or_write_manifest(out, s.manifest, write=False)
+                if (out / "manifest.json").is_file()
+                else None
+            )
             if current is None or not current.complete:
                 remove_stale_temp_files(out)
                 committed = _verify_committed(out, committed_units(out))
@@ -335,16 +340,23 @@ def run_extraction(config: ExtractConfig, *, takeover_grace_s: float = 30.0) -> 
             locks.wait_for_rank0()
             current = check_or_write_manifest(out, s.manifest, write=False)
         complete = current is not None and current.complete
-        target = None
         while not complete:
             mine = assign_units(len(s.units), committed_units(out), rank.rank, rank.world_size)
             if mine:
                 if target is None:
                     if s.device.type == "cuda":
                         torch.cuda.set_device(s.device)
-                    target = load_target(config.target, s.layers, device=s.device, dtype=s.dtype,
-                                         trust_remote_code=config.trust_remote_code)
+                    target = load_target(
+                        config.target,
+                        s.layers,
+                        device=s.device,
+                        dtype=s.dtype,
+                        trust_remote_code=config.trust_remote_code,
+                    )
+                t, cpu = time.perf_counter(), time.process_time()
                 _run_units(s, target, mine, stats, show_progress=rank.rank == 0)
+                extract_s += time.perf_counter() - t
+                cpu_s += time.process_time() - cpu
                 done.extend(mine)
             if rank.rank != 0:
                 break
@@ -357,13 +369,26 @@ def run_extraction(config: ExtractConfig, *, takeover_grace_s: float = 30.0) -> 
     finally:
         locks.release()
     result = ExtractResult(
-        cache=str(out), complete=complete, rank=s.rank.rank, world_size=s.rank.world_size, device=str(s.device),
-        units_total=len(s.units), units_done=len(done), units_committed=len(committed_units(out)),
-        rows=stats.rows, rows_skipped=int(len(s.report.skipped_rows)), tokens=stats.tokens,
-        bytes_written=stats.bytes_written, raw_bytes=stats.raw_bytes,
-        seconds=time.perf_counter() - t_start, cpu_seconds=time.process_time() - cpu_start,
-        gpu_compute_s=stats.gpu_compute_s, gpu_wait_fraction=stats.gpu_wait_fraction,
-        encode_cpu_s=stats.encode_cpu_s, stages={k: c.to_dict() for k, c in stats.clocks.items()},
+        cache=str(out),
+        complete=complete,
+        rank=s.rank.rank,
+        world_size=s.rank.world_size,
+        device=str(s.device),
+        units_total=len(s.units),
+        units_done=len(done),
+        units_committed=len(committed_units(out)),
+        rows=stats.rows,
+        rows_skipped=len(s.report.skipped_rows),
+        tokens=stats.tokens,
+        bytes_written=stats.bytes_written,
+        raw_bytes=stats.raw_bytes,
+        seconds=time.perf_counter() - t_start,
+        extract_seconds=extract_s,
+        cpu_seconds=cpu_s,
+        gpu_compute_s=stats.gpu_compute_s,
+        gpu_wait_fraction=stats.gpu_wait_fraction,
+        encode_cpu_s=stats.encode_cpu_s,
+        stages={k: c.to_dict() for k, c in stats.clocks.items()},
     )
     if s.rank.rank == 0:
         print(json.dumps(result.to_dict()) if config.json else format_summary(result), flush=True)

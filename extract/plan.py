@@ -11,8 +11,9 @@ resume or a different world size agrees on which rows make up unit i (= shard i)
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -64,6 +65,60 @@ class WorkUnit:
         return self.batch_stop - self.batch_start
 
 
+class BatchPlan(Sequence[Batch]):
+    """A batch plan held as arrays; `Batch` objects are built on access.
+
+    Materializing ~100k `Batch` objects for a 900k-row dataset costs most of a second, so the plan
+    keeps rows/lengths in plan order plus the cut points and hands out batches lazily. Indexing with
+    an int gives a `Batch`, with a slice a list of `Batch`.
+    """
+
+    def __init__(
+        self, rows: np.ndarray, lengths: np.ndarray, cuts: np.ndarray, padded_len: np.ndarray
+    ) -> None:
+        self.rows = rows  # int64, plan order (longest first, ties by row id)
+        self.lengths = lengths  # int64, same order
+        self.cuts = cuts  # int64 [num_batches + 1]: batch j is rows[cuts[j]:cuts[j + 1]]
+        self.padded_len = padded_len  # int64 [num_batches]
+
+    def __len__(self) -> int:
+        return len(self.padded_len)
+
+    @overload
+    def __getitem__(self, index: int) -> Batch: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Batch]: ...
+    def __getitem__(self, index: int | slice) -> Batch | list[Batch]:
+        if isinstance(index, slice):
+            return [self._batch(j) for j in range(*index.indices(len(self)))]
+        j = index + len(self) if index < 0 else index
+        if not 0 <= j < len(self):
+            raise IndexError(f"batch {index} out of range for a plan of {len(self)} batches")
+        return self._batch(j)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return (self._batch(j) for j in range(len(self)))
+
+    def _batch(self, j: int) -> Batch:
+        a, b = int(self.cuts[j]), int(self.cuts[j + 1])
+        return Batch(rows=self.rows[a:b], lengths=self.lengths[a:b], padded_len=int(self.padded_len[j]))
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.cuts)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Real (unpadded) tokens per batch."""
+        if len(self) == 0:
+            return np.zeros(0, np.int64)
+        return np.add.reduceat(self.lengths, self.cuts[:-1])
+
+    @property
+    def padded_tokens(self) -> np.ndarray:
+        return self.sizes * self.padded_len
+
+
 def plan_batches(
     rows: np.ndarray,
     lengths: np.ndarray,
@@ -71,7 +126,7 @@ def plan_batches(
     token_budget: int,
     pad_multiple: int = 1,
     max_rows: int | None = None,
-) -> list[Batch]:
+) -> BatchPlan:
     """Group rows into right-padded batches of similar length under a padded-token budget.
 
     Rows are sorted longest first (ties by row id) and cut greedily: each batch takes the longest
@@ -95,20 +150,34 @@ def plan_batches(
     capacity = np.maximum(token_budget // padded, 1)
     if max_rows is not None:
         capacity = np.minimum(capacity, max_rows)
-    # Greedy cut points: one Python step per batch, every array op stays vectorized.
-    cap_list = capacity.tolist()
-    cuts = [0]
-    i, n = 0, len(rows)
+    cuts = _greedy_cuts(capacity)
+    return BatchPlan(rows, lengths, cuts, padded[cuts[:-1]])
+
+
+def _greedy_cuts(capacity: np.ndarray) -> np.ndarray:
+    """Start i, next start i + capacity[i], ...: computed per run of equal capacity, not per batch.
+
+    Capacity is non-decreasing along the plan (rows get shorter), so inside a run of equal capacity c
+    the starts are an arithmetic progression; only ~one Python step per distinct capacity remains.
+    """
+    n = len(capacity)
+    if n == 0:
+        return np.zeros(1, np.int64)
+    run_ends = np.append(np.flatnonzero(np.diff(capacity)) + 1, n)  # exclusive end of each run
+    pieces = []
+    i = 0
     while i < n:
-        i += cap_list[i]
-        cuts.append(min(i, n))
-    return [
-        Batch(rows=rows[a:b], lengths=lengths[a:b], padded_len=int(padded[a]))
-        for a, b in itertools.pairwise(cuts)
-    ]
+        run_end = int(run_ends[np.searchsorted(run_ends, i, side="right")])
+        c = int(capacity[i])
+        starts = np.arange(i, run_end, c, dtype=np.int64)
+        pieces.append(starts)
+        i = int(starts[-1]) + c
+    return np.append(np.concatenate(pieces), n)
 
 
-def plan_units(batches: list[Batch], *, bytes_per_token: float, unit_bytes: int = 1 << 30) -> list[WorkUnit]:
+def plan_units(
+    batches: Sequence[Batch], *, bytes_per_token: float, unit_bytes: int = 1 << 30
+) -> list[WorkUnit]:
     """Group consecutive batches into units of about `unit_bytes` of stored output.
 
     Batch j goes to unit floor(bytes stored before j / unit_bytes) (renumbered densely), so units are
@@ -118,8 +187,7 @@ def plan_units(batches: list[Batch], *, bytes_per_token: float, unit_bytes: int 
         raise ValueError(f"bytes_per_token and unit_bytes must be > 0, got {bytes_per_token}, {unit_bytes}")
     if not batches:
         return []
-    tokens = np.array([b.tokens for b in batches], dtype=np.int64)
-    sizes = np.array([b.size for b in batches], dtype=np.int64)
+    tokens, sizes, _ = _batch_arrays(batches)
     stored = tokens * bytes_per_token + sizes * SAMPLE_OVERHEAD_BYTES
     before = np.concatenate([[0.0], np.cumsum(stored)[:-1]])
     _, unit_of_batch = np.unique(np.floor(before / unit_bytes).astype(np.int64), return_inverse=True)
@@ -139,18 +207,28 @@ def plan_units(batches: list[Batch], *, bytes_per_token: float, unit_bytes: int 
     ]
 
 
-def plan_stats(batches: list[Batch]) -> dict:
+def plan_stats(batches: Sequence[Batch]) -> dict:
     """Totals of a plan: batches, rows, tokens, padded tokens, padding overhead, largest batch."""
-    tokens = sum(b.tokens for b in batches)
-    padded = sum(b.padded_tokens for b in batches)
+    tokens, sizes, padded = _batch_arrays(batches)
+    total, total_padded = int(tokens.sum()), int(padded.sum())
     return {
         "batches": len(batches),
-        "planned_rows": sum(b.size for b in batches),
-        "padded_tokens": padded,
-        "padding_overhead": (padded - tokens) / tokens if tokens else 0.0,
-        "max_batch_tokens": max((b.padded_tokens for b in batches), default=0),
-        "max_batch_rows": max((b.size for b in batches), default=0),
+        "planned_rows": int(sizes.sum()),
+        "padded_tokens": total_padded,
+        "padding_overhead": (total_padded - total) / total if total else 0.0,
+        "max_batch_tokens": int(padded.max(initial=0)),
+        "max_batch_rows": int(sizes.max(initial=0)),
     }
+
+
+def _batch_arrays(batches: Sequence[Batch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, rows, padded tokens) per batch; vectorized for a BatchPlan."""
+    if isinstance(batches, BatchPlan):
+        return batches.tokens, batches.sizes, batches.padded_tokens
+    tokens = np.array([b.tokens for b in batches], dtype=np.int64)
+    sizes = np.array([b.size for b in batches], dtype=np.int64)
+    padded = np.array([b.padded_tokens for b in batches], dtype=np.int64)
+    return tokens, sizes, padded
 
 
 def bytes_per_token(codec: str, num_layers: int, hidden_size: int) -> float:

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from dflash.shards.codecs import Codec, Fp8Block, quantize_fp8
 from dflash.shards.manifest import ShardInfo
 from dflash.shards.writer import EncodedSample, ShardWriter, encode_sample
@@ -59,8 +58,12 @@ class StageClock:
     def to_dict(self) -> dict[str, float]:
         total = self.busy + self.wait_in + self.wait_out
         waiting = self.wait_in + self.wait_out
-        return {"busy_s": self.busy, "wait_in_s": self.wait_in, "wait_out_s": self.wait_out,
-                "wait_fraction": waiting / total if total else 0.0}
+        return {
+            "busy_s": self.busy,
+            "wait_in_s": self.wait_in,
+            "wait_out_s": self.wait_out,
+            "wait_fraction": waiting / total if total else 0.0,
+        }
 
 
 class Channel:
@@ -150,9 +153,14 @@ def load_batches(
                 g = gather(ds, batch, buffers)
                 select = torch.from_numpy(np.flatnonzero(g.attention_mask.numpy().reshape(-1)))
                 item = WorkBatch(
-                    unit=unit, first_in_unit=j == 0, last_in_unit=j == len(batches) - 1,
-                    rows=np.asarray(batch.rows), lengths=np.asarray(batch.lengths),
-                    input_ids=g.input_ids, attention_mask=g.attention_mask, loss_mask=g.loss_mask,
+                    unit=unit,
+                    first_in_unit=j == 0,
+                    last_in_unit=j == len(batches) - 1,
+                    rows=np.asarray(batch.rows),
+                    lengths=np.asarray(batch.lengths),
+                    input_ids=g.input_ids,
+                    attention_mask=g.attention_mask,
+                    loss_mask=g.loss_mask,
                     select=select.pin_memory() if pin else select,
                 )
             with clock.timing("wait_out"):
@@ -180,7 +188,9 @@ class GpuStep:
     def __call__(self, item: WorkBatch) -> WorkBatch:
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
-                ids, mask, select = (self._to_device(t) for t in (item.input_ids, item.attention_mask, item.select))
+                ids, mask, select = (
+                    self._to_device(t) for t in (item.input_ids, item.attention_mask, item.select)
+                )
             self.compute_stream.wait_stream(self.copy_stream)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.compute_stream)
@@ -206,7 +216,9 @@ class GpuStep:
         return item
 
     @torch.inference_mode()
-    def _compute(self, ids: torch.Tensor, mask: torch.Tensor, select: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _compute(
+        self, ids: torch.Tensor, mask: torch.Tensor, select: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         outs = self.target.capture(ids, mask)
         b, s, h = outs[0].shape
         packed = torch.empty((len(outs), select.numel(), h), dtype=outs[0].dtype, device=outs[0].device)
@@ -227,7 +239,10 @@ def sample_layers(item: WorkBatch, i: int, offset: int, fp8: bool) -> list[torch
         total = int(item.lengths.sum())
         k_layers = q.shape[0] // total
         return [
-            Fp8Block(q=q[k * total + offset : k * total + offset + n], scale=scale[k * total + offset : k * total + offset + n])
+            Fp8Block(
+                q=q[k * total + offset : k * total + offset + n],
+                scale=scale[k * total + offset : k * total + offset + n],
+            )
             for k in range(k_layers)
         ]
     (packed,) = item.features
@@ -235,8 +250,14 @@ def sample_layers(item: WorkBatch, i: int, offset: int, fp8: bool) -> list[torch
 
 
 def drain(
-    inp: Channel, out: Channel, pool: ThreadPoolExecutor, codec: Codec, fp8: bool, clock: StageClock,
-    stats: StageStats, encode_clock: Callable[[float], None],
+    inp: Channel,
+    out: Channel,
+    pool: ThreadPoolExecutor,
+    codec: Codec,
+    fp8: bool,
+    clock: StageClock,
+    stats: StageStats,
+    encode_clock: Callable[[float], None],
 ) -> None:
     """Drain thread: wait for each batch's D2H copy, then submit one encode task per sample."""
     first_start = last_end = None
@@ -261,7 +282,9 @@ def drain(
             for i, row in enumerate(item.rows.tolist()):
                 n = int(item.lengths[i])
                 layers = sample_layers(item, i, offset, fp8)
-                futures.append(pool.submit(_timed_encode, encode_clock, codec, row, ids[i, :n], loss[i, :n], layers))
+                futures.append(
+                    pool.submit(_timed_encode, encode_clock, codec, row, ids[i, :n], loss[i, :n], layers)
+                )
                 offset += n
         with clock.timing("wait_out"):
             out.put((item, futures))
@@ -277,8 +300,14 @@ def _timed_encode(report: Callable[[float], None], codec: Codec, *args: Any) -> 
 
 
 def write_shards(
-    inp: Channel, shard_path: Callable[[int], Any], meta: Any, clock: StageClock, stats: StageStats,
-    raw_bytes_per_token: int, progress: Any, on_commit: Callable[[ShardInfo], None],
+    inp: Channel,
+    shard_path: Callable[[int], Any],
+    meta: Any,
+    clock: StageClock,
+    stats: StageStats,
+    raw_bytes_per_token: int,
+    progress: Any,
+    on_commit: Callable[[ShardInfo], None],
 ) -> None:
     """Writer thread: one ShardWriter per unit, samples in plan order; commit at the unit's last batch."""
     writer: ShardWriter | None = None

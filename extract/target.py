@@ -45,7 +45,9 @@ def default_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
     if num_draft_layers < 1:
         raise ValueError(f"num_draft_layers={num_draft_layers} must be >= 1")
     if num_layers < 4:
-        raise ValueError(f"the target has {num_layers} layers; the default layer rule needs >= 4, pass --layers")
+        raise ValueError(
+            f"the target has {num_layers} layers; the default layer rule needs >= 4, pass --layers"
+        )
     if num_draft_layers == 1:
         return [num_layers // 2]
     return [round(1 + i * (num_layers - 4) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
@@ -64,7 +66,9 @@ def read_target_info(path: str | Path, *, trust_remote_code: bool = False) -> Ta
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"target {path}: no config.json (expected a local Hugging Face model directory)")
+        raise FileNotFoundError(
+            f"target {path}: no config.json (expected a local Hugging Face model directory)"
+        )
     config_dict = json.loads(config_file.read_text())
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     text = _text_config(config)
@@ -116,7 +120,9 @@ class CapturingTarget:
         self.layer_ids = list(layer_ids)
         layers = self.decoder.layers
         if max(self.layer_ids) >= len(layers):
-            raise ValueError(f"captured layer {max(self.layer_ids)} is beyond the {len(layers)} loaded layers")
+            raise ValueError(
+                f"captured layer {max(self.layer_ids)} is beyond the {len(layers)} loaded layers"
+            )
         self._captured: dict[int, torch.Tensor] = {}
         self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
         first = next(self.decoder.parameters())
@@ -198,5 +204,13 @@ def load_target(
         model.lm_head = torch.nn.Identity()
     model.eval().requires_grad_(False)
     model.to(device)
-    log.info("loaded %s (%s): layers 0..%d of %d, %s on %s", path, info.model_type, keep - 1, info.num_layers, dtype, device)
+    log.info(
+        "loaded %s (%s): layers 0..%d of %d, %s on %s",
+        path,
+        info.model_type,
+        keep - 1,
+        info.num_layers,
+        dtype,
+        device,
+    )
     return CapturingTarget(model, layer_ids)

@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from dflash.shards.errors import ShardError
 from dflash.shards.manifest import fsync_dir
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,9 @@ def _find(weights: Mapping[str, Path], names: tuple[str, ...], suffix: str) -> s
         if name in weights:
             return name
     # Unknown wrappers: the one tensor ending with the suffix outside vision / multi-token-prediction parts.
-    found = [n for n in weights if n.endswith(suffix) and not any(p in n for p in ("visual", "vision", "mtp"))]
+    found = [
+        n for n in weights if n.endswith(suffix) and not any(p in n for p in ("visual", "vision", "mtp"))
+    ]
     return found[0] if len(found) == 1 else None
 
 
@@ -95,7 +96,9 @@ def read_frozen(target: str | Path, dtype: torch.dtype = torch.bfloat16) -> dict
     weights = _weight_map(target)
     embed_name = _find(weights, EMBED_NAMES, "embed_tokens.weight")
     if embed_name is None:
-        raise ShardError(f"target {target}: no embed_tokens weight among {len(weights)} tensors (tried {EMBED_NAMES})")
+        raise ShardError(
+            f"target {target}: no embed_tokens weight among {len(weights)} tensors (tried {EMBED_NAMES})"
+        )
     embed = _read(weights, embed_name)
     head_name = _find(weights, LM_HEAD_NAMES, "lm_head.weight")
     if _tied(config) or head_name is None:
@@ -108,11 +111,18 @@ def read_frozen(target: str | Path, dtype: torch.dtype = torch.bfloat16) -> dict
     else:
         head = _read(weights, head_name)
     if head.shape != embed.shape:
-        raise ShardError(f"target {target}: lm_head {tuple(head.shape)} and embed_tokens {tuple(embed.shape)} differ")
-    return {"embed_tokens.weight": embed.to(dtype).contiguous(), "lm_head.weight": head.to(dtype).contiguous()}
+        raise ShardError(
+            f"target {target}: lm_head {tuple(head.shape)} and embed_tokens {tuple(embed.shape)} differ"
+        )
+    return {
+        "embed_tokens.weight": embed.to(dtype).contiguous(),
+        "lm_head.weight": head.to(dtype).contiguous(),
+    }
 
 
-def write_target_parts(cache_dir: str | Path, target: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def write_target_parts(
+    cache_dir: str | Path, target: str | Path, dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """Write CACHE/target/ atomically; an existing one for the same config.json is kept as is."""
     cache_dir, target = Path(cache_dir), Path(target)
     final = cache_dir / TARGET_DIR

@@ -186,8 +186,15 @@ class RunLocks:
 
     def _info(self, ready: bool) -> dict[str, Any]:
         r = self.rank
-        return {"pid": os.getpid(), "host": socket.gethostname(), "rank": r.rank, "world_size": r.world_size,
-                "run": r.run_id, "ready": ready, "since": time.time()}
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "rank": r.rank,
+            "world_size": r.world_size,
+            "run": r.run_id,
+            "ready": ready,
+            "since": time.time(),
+        }
 
     def acquire(self) -> None:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -246,7 +253,9 @@ def check_or_write_manifest(cache_dir: Path, expected: Manifest, *, write: bool)
         return current
     if not write:
         raise ShardError(f"{path} is missing although rank 0 reported the cache ready")
-    existing = [p.name for p in cache_dir.iterdir() if not p.name.startswith(".")] if cache_dir.is_dir() else []
+    existing = (
+        [p.name for p in cache_dir.iterdir() if not p.name.startswith(".")] if cache_dir.is_dir() else []
+    )
     if existing:
         raise ValueError(
             f"{cache_dir} is not empty ({', '.join(sorted(existing)[:5])}) and has no manifest.json: "

@@ -171,7 +171,10 @@ def _check_token_ids(ds: TokenDataset, vocab_size: int | None) -> None:
         if o1 == o0:
             continue
         region = chunk.values[o0:o1]
-        if region.min() >= 0 and (high is None or region.max() < high):
+        limit = high
+        if limit is None:  # without a vocab only negatives are wrong: limit = 2**(bits-1) for signed types
+            limit = int(np.iinfo(region.dtype).max) + 1 if region.dtype.kind == "i" else None
+        if limit is None or _unsigned_max(region) < limit:
             continue
         out = region < 0
         if high is not None:
@@ -194,11 +197,19 @@ def _check_token_ids(ds: TokenDataset, vocab_size: int | None) -> None:
         )
 
 
+def _unsigned_max(values: np.ndarray) -> int:
+    """max over the values viewed as unsigned: one memory-bound pass that also catches negatives
+    (a negative signed value reads as >= 2**(bits-1), above any vocab size or 0/1 bound)."""
+    if values.dtype.kind == "i":
+        values = values.view(values.dtype.str.replace("i", "u"))
+    return int(values.max())
+
+
 def _supervised_per_row(chunk: ListChunk, effective: np.ndarray, column: str, row0: int) -> np.ndarray:
     """Supervised tokens among the first `effective[i]` tokens of each row of one chunk."""
     o0, o1 = int(chunk.offsets[0]), int(chunk.offsets[-1])
     region = chunk.dense(o0, o1)
-    if len(region) and not chunk.is_bits and (region.min() < 0 or region.max() > 1):
+    if len(region) and not chunk.is_bits and _unsigned_max(region) > 1:
         where = np.flatnonzero((region < 0) | (region > 1))
         rows = np.unique(np.searchsorted(chunk.offsets, where + o0, side="right") - 1) + row0
         _fail(

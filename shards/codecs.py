@@ -32,6 +32,14 @@ DTYPES: dict[str, torch.dtype] = {
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 _PROBE_BYTES = 1 << 16  # a plane whose first 64 KiB zstd cannot shrink by 2% is stored raw
 _RAW_PROBE_RATIO = 0.98
+_QUANT_CHUNK = 1 << 24  # elements per step of quantize_fp8 (a 64 MiB float32 temporary)
+_DEQUANT_CHUNK = 1 << 18  # elements per step of the CPU fp8 dequantizer (measured best of 2^14..2^21)
+
+# Activation byte planes are mostly literals (entropy-coded sign/exponent bytes) with few long matches:
+# a small hash table and 7-byte minimum matches skip futile match search. Measured on LLM-like bf16
+# high-byte planes: 2.5x faster to encode, 1.3x faster to decode, and 2% smaller than plain level 1.
+# Only the writer is affected; every zstd decoder reads the result.
+_LEVEL1_TUNING = {"hash_log": 10, "min_match": 7}
 
 _local = threading.local()
 
@@ -54,7 +62,10 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     if cache is None:
         cache = _local.compressors = {}
     if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+        params = zstandard.ZstdCompressionParameters.from_level(
+            level, write_content_size=True, write_checksum=False, **(_LEVEL1_TUNING if level == 1 else {})
+        )
+        cache[level] = zstandard.ZstdCompressor(compression_params=params)
     return cache[level]
 
 
@@ -99,15 +110,26 @@ class Fp8Block:
 
 
 def quantize_fp8(x: torch.Tensor) -> Fp8Block:
-    """Quantize [S, H] to e4m3fn with one fp32 scale per token (absmax / 448); runs on x's device."""
+    """Quantize [S, H] to e4m3fn with one fp32 scale per token (absmax / 448); runs on x's device.
+
+    Works in row chunks so the float32 temporary stays <= 64 MiB whatever the batch size (the extractor
+    calls this on GPU batches of many thousand tokens x K layers)."""
     if x.ndim != 2:
         raise ValueError(f"quantize_fp8 expects [S, H], got shape {tuple(x.shape)}")
-    xf = x.float()
-    amax = xf.abs().amax(dim=1) if xf.shape[1] else torch.zeros(xf.shape[0], device=xf.device)
-    # An all-zero token keeps scale 1 so dequantization never divides by or multiplies with 0/0.
+    s, h = x.shape
+    q = torch.empty((s, h), dtype=torch.uint8, device=x.device)
+    if h == 0 or s == 0:
+        return Fp8Block(q=q, scale=torch.ones(s, dtype=torch.float32, device=x.device))
+    lo, hi = torch.aminmax(x, dim=1)  # no |x| temporary; NaN propagates into the token's scale
+    amax = torch.maximum(hi.float(), -lo.float())
+    # An all-zero token keeps scale 1 so dequantization never multiplies garbage by 0/0.
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return Fp8Block(q=q.view(torch.uint8), scale=scale.float())
+    rows = max(1, _QUANT_CHUNK // h)
+    for r0 in range(0, s, rows):
+        # out of place: .float() of a float32 input is the input itself, which must stay untouched
+        part = torch.div(x[r0 : r0 + rows].float(), scale[r0 : r0 + rows, None]).clamp_(-FP8_MAX, FP8_MAX)
+        q[r0 : r0 + rows] = part.to(torch.float8_e4m3fn).view(torch.uint8)
+    return Fp8Block(q=q, scale=scale)
 
 
 def dequantize_fp8(block: Fp8Block, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -116,24 +138,38 @@ def dequantize_fp8(block: Fp8Block, dtype: torch.dtype = torch.bfloat16) -> torc
 
 
 def _dequantize_fp8_cpu(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
-    """Same bits as dequantize_fp8(..., bfloat16), ~3x faster on CPU than torch's scalar fp8 cast.
+    """Same bits as dequantize_fp8(..., bfloat16), ~6x faster on CPU than torch's scalar fp8 cast.
 
     e4m3fn bits s.eeee.mmm placed at float32 bits 31 | 26..23 | 22..20 read as 2^(e-127) * (1 + m/8)
     for e > 0 and as the float32 subnormal m * 2^-129 for e = 0; one multiply by 2^120 rebiases both
-    exactly, then one multiply applies the token scale (in two steps: 2^120 * scale could overflow)."""
-    q7 = q & np.uint8(0x7F)
-    bits = q7.astype(np.uint32)
-    bits <<= 20
-    sign = (q >> 7).astype(np.uint32)
-    sign <<= 31
-    bits |= sign
-    x = bits.view(np.float32)
-    x *= np.float32(2.0**120)
-    x *= scale[:, None]
-    nan = q7 == 0x7F  # e4m3fn has no inf; S.1111.111 is NaN (only from non-finite input)
-    if nan.any():
-        x[nan] = np.nan
-    return torch.from_numpy(x).to(torch.bfloat16)
+    exactly, then one multiply applies the token scale (in two steps: 2^120 * scale could overflow).
+    Works in row chunks through two reused buffers: fresh full-size temporaries cost more in page
+    faults than the arithmetic itself."""
+    s, h = q.shape
+    out = torch.empty((s, h), dtype=torch.bfloat16)
+    if out.numel() == 0:
+        return out
+    rows = max(1, _DEQUANT_CHUNK // h)
+    bits_buf = np.empty(min(rows, s) * h, dtype=np.uint32)
+    sign_buf = np.empty_like(bits_buf)
+    scale_t = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32))
+    for r0 in range(0, s, rows):
+        r1 = min(s, r0 + rows)
+        bits, sign = bits_buf[: (r1 - r0) * h], sign_buf[: (r1 - r0) * h]
+        np.copyto(bits, q[r0:r1].reshape(-1), casting="unsafe")
+        np.bitwise_and(bits, 0x80, out=sign)
+        np.left_shift(sign, 24, out=sign)
+        np.bitwise_and(bits, 0x7F, out=bits)
+        nan = bits == 0x7F  # e4m3fn has no inf; S.1111.111 is NaN (only from non-finite input)
+        np.left_shift(bits, 20, out=bits)
+        np.bitwise_or(bits, sign, out=bits)
+        x = torch.from_numpy(bits.view(np.float32)).view(r1 - r0, h)
+        x.mul_(2.0**120)
+        x.mul_(scale_t[r0:r1, None])
+        if nan.any():
+            x.view(-1)[torch.from_numpy(nan)] = float("nan")
+        out[r0:r1].copy_(x)
+    return out
 
 
 def _as_uint_numpy(x: torch.Tensor | np.ndarray) -> tuple[np.ndarray, str]:

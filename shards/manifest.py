@@ -114,8 +114,17 @@ class Manifest:
             m = cls(**values)
         except TypeError as exc:
             raise ShardError(f"{source}: {exc}") from None
-        if not isinstance(m.layers, list) or not all(isinstance(i, int) for i in m.layers):
-            raise ShardError(f"{source}: 'layers' must be a list of ints, got {m.layers!r}")
+        if not isinstance(m.layers, list) or not all(type(i) is int and i >= 0 for i in m.layers):
+            raise ShardError(f"{source}: 'layers' must be a list of ints >= 0, got {m.layers!r:.200}")
+        for name in ("target", "codec", "dataset", "options", "plan"):
+            if not isinstance(getattr(m, name), dict):
+                raise ShardError(f"{source}: {name!r} must be an object, got {getattr(m, name)!r:.200}")
+        if type(m.complete) is not bool or type(m.hidden_size) is not int or not isinstance(m.dtype, str):
+            raise ShardError(f"{source}: 'complete' must be a bool, 'hidden_size' an int, 'dtype' a string")
+        if not isinstance(m.skipped, list) or not all(
+            isinstance(x, dict) and type(x.get("row")) is int for x in m.skipped
+        ):
+            raise ShardError(f"{source}: 'skipped' must be a list of {{'row': int, 'reason': str}}")
         return m
 
     @property

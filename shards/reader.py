@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,13 +50,22 @@ class CacheEntry:
     index: int
 
 
-def _pread_exact(fd: int, size: int, offset: int, where: str) -> bytes:
+def _pread_exact(fd: int, size: int, offset: int, where: str) -> bytes | bytearray:
+    """Exactly `size` bytes at `offset`; loops because one pread returns at most ~2 GiB on Linux."""
     data = os.pread(fd, size, offset)
-    if len(data) != size:
-        raise ShardError(
-            f"{where}: wanted {size} bytes at offset {offset}, file ended after {len(data)}: truncated"
-        )
-    return data
+    if len(data) == size:
+        return data
+    buf = bytearray(size)
+    buf[: len(data)] = data
+    view, pos = memoryview(buf), len(data)
+    while pos < size:
+        n = os.preadv(fd, [view[pos:]], offset + pos) if data else 0
+        if n == 0:
+            raise ShardError(
+                f"{where}: wanted {size} bytes at offset {offset}, file ended after {pos}: truncated"
+            )
+        pos += n
+    return buf
 
 
 class ShardReader:
@@ -180,6 +190,9 @@ class ShardReader:
         self, layers: Sequence[int] | None = None, start: int = 0, *, dequantize: bool = True
     ) -> Iterator[Sample]:
         """Samples in file order from `start`; holds one sample at a time."""
+        if hasattr(os, "posix_fadvise") and self._fd >= 0:  # ask the kernel for big readahead
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for i in range(start, len(self.entries)):
             yield self.read(i, layers, dequantize=dequantize)
 
@@ -191,8 +204,11 @@ class ShardReader:
         problems = []
         for i, entry in enumerate(self.entries):
             for k, (off, ln, digest) in enumerate(entry.frames):
-                data = os.pread(self._fd, ln, off)
-                if len(data) != ln or checksum(data) != digest:
+                try:
+                    data = _pread_exact(self._fd, ln, off, str(self.path))
+                except ShardError:
+                    data = None
+                if data is None or checksum(data) != digest:
                     problems.append(
                         f"{self.path}: sample {i} (row {entry.row}) frame {self._frame_names[k]} "
                         f"at {off}+{ln}: checksum mismatch"
@@ -218,19 +234,35 @@ class ShardReader:
 class Cache:
     """A cache directory; open with `Cache.open(path)`. Shards open lazily and are shared by threads."""
 
-    def __init__(self, path: Path, manifest: Manifest, shard_names: list[str], from_manifest: bool):
+    def __init__(
+        self,
+        path: Path,
+        manifest: Manifest,
+        shard_names: list[str],
+        from_manifest: bool,
+        max_open_shards: int,
+    ):
+        if max_open_shards < 1:
+            raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
         self.path = path
         self.manifest = manifest
         self.shard_names = shard_names
+        self._known = set(shard_names)
         self._from_manifest = from_manifest
+        self._max_open = max_open_shards
         self._lock = threading.Lock()
-        self._readers: dict[str, ShardReader] = {}
+        # Most recently used readers; an evicted reader closes its descriptor when the last thread
+        # still holding it lets go (reference counting), so eviction never breaks a read in flight.
+        self._readers: OrderedDict[str, ShardReader] = OrderedDict()
         self._rows: dict[int, tuple[str, int]] | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike, require_complete: bool = True) -> Cache:
+    def open(
+        cls, path: str | os.PathLike, require_complete: bool = True, *, max_open_shards: int = 64
+    ) -> Cache:
         """Complete caches list shards from the manifest (no directory scan, no footer read until used);
-        `require_complete=False` lists the committed `shards/shard-*.dfs` instead (resume, verify)."""
+        `require_complete=False` lists the committed `shards/shard-*.dfs` instead (resume, verify).
+        At most `max_open_shards` readers (file descriptors + parsed indexes) stay cached."""
         path = Path(path)
         manifest = load_manifest(path)
         if manifest.complete:
@@ -240,7 +272,7 @@ class Cache:
                     raise ShardError(
                         f"{path}/manifest.json: shard name {n!r} is not of the form shard-NNNNNN.dfs"
                     )
-            return cls(path, manifest, names, from_manifest=True)
+            return cls(path, manifest, names, True, max_open_shards)
         if require_complete:
             raise ShardError(
                 f"{path}: cache is incomplete (extraction running or interrupted): resume the extraction, "
@@ -248,7 +280,7 @@ class Cache:
             )
         shard_dir = path / SHARDS_DIR
         names = sorted(p.name for p in shard_dir.glob("shard-*.dfs")) if shard_dir.is_dir() else []
-        return cls(path, manifest, names, from_manifest=False)
+        return cls(path, manifest, names, False, max_open_shards)
 
     @property
     def layers(self) -> list[int]:
@@ -268,10 +300,17 @@ class Cache:
     def shard(self, name: str) -> ShardReader:
         with self._lock:
             reader = self._readers.get(name)
-            if reader is None:
-                if name not in self.shard_names:
-                    raise KeyError(f"{self.path}: no shard named {name!r}")
-                reader = self._readers[name] = ShardReader.open(self.path / SHARDS_DIR / name)
+            if reader is not None:
+                self._readers.move_to_end(name)
+                return reader
+            if name not in self._known:
+                raise KeyError(f"{self.path}: no shard named {name!r}")
+        reader = ShardReader.open(self.path / SHARDS_DIR / name)  # outside the lock: disk I/O
+        with self._lock:
+            reader = self._readers.setdefault(name, reader)
+            self._readers.move_to_end(name)
+            while len(self._readers) > self._max_open:
+                self._readers.popitem(last=False)
             return reader
 
     def entries(self) -> list[CacheEntry]:

@@ -154,7 +154,13 @@ class ShardWriter:
         self._supervised = 0
         self._done = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self._guard(lambda: open(self.tmp_path, "xb", buffering=0))  # noqa: SIM115 - lives until commit/abort
+        try:  # "x": a temp name clash means two writers of one unit in one process; never clobber it
+            self._file = open(self.tmp_path, "xb", buffering=0)  # noqa: SIM115 - lives until commit/abort
+        except OSError as exc:
+            self._done = True
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull(f"{self.path}: no space left on device to start this shard") from exc
+            raise
         self._offset = 0
         self._write(MAGIC)
 

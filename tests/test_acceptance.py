@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dflash.train.acceptance import accepted_lengths, decode_walk, per_position_acceptance, tau, walk_tau
 from dflash.train.blocks import SequenceInput, eligible_anchors, make_packed_batch
 from dflash.train.frozen import FrozenTarget
@@ -54,9 +53,18 @@ def _tiny_target_data(num_seqs: int, prompt: int, new: int, seed: int):
     """Greedy completions of a tiny random Qwen3 target and its layer outputs (what the cache would hold)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1e4,
-                                   max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = transformers.Qwen3Config(
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rope_theta=1e4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     target = transformers.Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         target.model.embed_tokens.weight.mul_(40)  # sharper logits: less degenerate greedy text
@@ -66,8 +74,12 @@ def _tiny_target_data(num_seqs: int, prompt: int, new: int, seed: int):
             next_ids = target(ids).logits[:, -1].argmax(-1, keepdim=True)
             ids = torch.cat([ids, next_ids], dim=1)
         hidden = target(ids, output_hidden_states=True).hidden_states
-    frozen = FrozenTarget(target.model.embed_tokens.weight.detach().clone(), target.lm_head.weight.detach().clone(),
-                          cfg.to_dict(), 47)
+    frozen = FrozenTarget(
+        target.model.embed_tokens.weight.detach().clone(),
+        target.lm_head.weight.detach().clone(),
+        cfg.to_dict(),
+        47,
+    )
     return ids, hidden, frozen
 
 
@@ -92,12 +104,19 @@ def test_training_lifts_acceptance_on_tiny_target_greedy_data() -> None:
     prompt, new = 6, 42
     ids, hidden, frozen = _tiny_target_data(24, prompt, new, seed=0)
     layer_ids = [0, 2]
-    seqs = [SequenceInput(ids[i], torch.arange(ids.shape[1]) >= prompt,
-                          torch.cat([hidden[j + 1][i] for j in layer_ids], dim=-1)) for i in range(ids.shape[0])]
+    seqs = [
+        SequenceInput(
+            ids[i],
+            torch.arange(ids.shape[1]) >= prompt,
+            torch.cat([hidden[j + 1][i] for j in layer_ids], dim=-1),
+        )
+        for i in range(ids.shape[0])
+    ]
     train, held_out = seqs[:20], seqs[20:]
     torch.manual_seed(0)
-    cfg = DrafterConfig.from_target_config(frozen.config, mask_token_id=47, num_hidden_layers=2, block_size=4,
-                                           target_layer_ids=layer_ids)
+    cfg = DrafterConfig.from_target_config(
+        frozen.config, mask_token_id=47, num_hidden_layers=2, block_size=4, target_layer_ids=layer_ids
+    )
     model = DFlashDrafter(cfg)
     before = _estimate(model, frozen, held_out)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -110,6 +129,8 @@ def test_training_lifts_acceptance_on_tiny_target_greedy_data() -> None:
         loss.backward()
         opt.step()
     after = _estimate(model, frozen, held_out)
-    print(f"tau (all anchors, decode walk): untrained {before[0]:.2f} {before[1]:.2f} -> trained {after[0]:.2f} "
-          f"{after[1]:.2f}")
+    print(
+        f"tau (all anchors, decode walk): untrained {before[0]:.2f} {before[1]:.2f} -> trained {after[0]:.2f} "
+        f"{after[1]:.2f}"
+    )
     assert after[0] > before[0] + 0.5 and after[1] > before[1] + 0.5

@@ -7,9 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from dflash.train.blocks import (
     SequenceInput,
     build_blocks,
@@ -19,11 +16,15 @@ from dflash.train.blocks import (
     sample_anchors,
     slot_weights,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 MASK = 99
 
 
-@given(mask=st.lists(st.booleans(), min_size=1, max_size=60), num=st.integers(1, 70), seed=st.integers(0, 2**31))
+@given(
+    mask=st.lists(st.booleans(), min_size=1, max_size=60), num=st.integers(1, 70), seed=st.integers(0, 2**31)
+)
 @settings(max_examples=150, deadline=None)
 def test_sample_anchors_properties(mask: list[bool], num: int, seed: int) -> None:
     loss_mask = torch.tensor(mask)
@@ -48,7 +49,9 @@ def test_sample_anchors_is_uniform_and_redrawn() -> None:
 
 def test_labels_are_the_tokens_at_block_positions() -> None:
     ids = torch.arange(100, 120)
-    blocks, labels, weights = build_blocks(ids, torch.ones(20, dtype=torch.bool), torch.tensor([3, 17]), 4, MASK, 7.0)
+    blocks, labels, weights = build_blocks(
+        ids, torch.ones(20, dtype=torch.bool), torch.tensor([3, 17]), 4, MASK, 7.0
+    )
     assert blocks.tolist() == [[103, MASK, MASK, MASK], [117, MASK, MASK, MASK]]
     # slot k is trained toward x[a + k] (NOT x[a + k + 1]); past the end: weight 0
     assert labels[0].tolist() == [103, 104, 105, 106]
@@ -73,11 +76,22 @@ def test_loss_weights() -> None:
 
 
 def test_packing_several_sequences() -> None:
-    seqs = [SequenceInput(torch.arange(10), torch.ones(10, dtype=torch.bool), torch.full((10, 6), 1.0)),
-            SequenceInput(torch.arange(50, 57), torch.tensor([0, 0, 1, 1, 1, 1, 1], dtype=torch.bool),
-                          torch.full((7, 6), 2.0))]
-    batch = make_packed_batch(seqs, block_size=4, mask_token_id=MASK, num_anchors=3,
-                              generator=torch.Generator().manual_seed(1), pad_blocks_to_multiple=4)
+    seqs = [
+        SequenceInput(torch.arange(10), torch.ones(10, dtype=torch.bool), torch.full((10, 6), 1.0)),
+        SequenceInput(
+            torch.arange(50, 57),
+            torch.tensor([0, 0, 1, 1, 1, 1, 1], dtype=torch.bool),
+            torch.full((7, 6), 2.0),
+        ),
+    ]
+    batch = make_packed_batch(
+        seqs,
+        block_size=4,
+        mask_token_id=MASK,
+        num_anchors=3,
+        generator=torch.Generator().manual_seed(1),
+        pad_blocks_to_multiple=4,
+    )
     assert batch.features.shape == (17, 6) and batch.features[10:].eq(2.0).all()
     assert batch.context_pos.tolist() == [*range(10), *range(7)]
     assert batch.context_seq.tolist() == [0] * 10 + [1] * 7
@@ -91,9 +105,17 @@ def test_packing_several_sequences() -> None:
 
 def test_packing_from_per_layer_hidden_states_keeps_layer_order() -> None:
     hidden = {3: torch.full((5, 2), 3.0), 7: torch.full((5, 2), 7.0), 9: torch.full((5, 2), 9.0)}
-    sample = SimpleNamespace(input_ids=torch.arange(5), loss_mask=torch.ones(5, dtype=torch.bool), hidden=hidden)
-    batch = make_packed_batch([sample], block_size=2, mask_token_id=MASK, num_anchors=8, layer_ids=[9, 3],
-                              feature_dtype=torch.bfloat16)
+    sample = SimpleNamespace(
+        input_ids=torch.arange(5), loss_mask=torch.ones(5, dtype=torch.bool), hidden=hidden
+    )
+    batch = make_packed_batch(
+        [sample],
+        block_size=2,
+        mask_token_id=MASK,
+        num_anchors=8,
+        layer_ids=[9, 3],
+        feature_dtype=torch.bfloat16,
+    )
     assert batch.features.dtype == torch.bfloat16 and batch.features[0].tolist() == [9, 9, 3, 3]
     assert batch.anchor_pos.tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError, match=r"lacks target layers \[4\]"):
@@ -106,8 +128,14 @@ def test_explicit_anchors_and_empty_sequences() -> None:
     seq = SequenceInput(torch.arange(6), torch.zeros(6, dtype=torch.bool), torch.zeros(6, 4))
     batch = make_packed_batch([seq], block_size=4, mask_token_id=MASK, num_anchors=4)
     assert batch.num_blocks == 1 and batch.block_seq.tolist() == [-1]  # nothing to train: one padding block
-    batch = make_packed_batch([seq], block_size=4, mask_token_id=MASK, num_anchors=4, anchors=[torch.tensor([0, 2])])
+    batch = make_packed_batch(
+        [seq], block_size=4, mask_token_id=MASK, num_anchors=4, anchors=[torch.tensor([0, 2])]
+    )
     assert batch.anchor_pos.tolist() == [0, 2]
     with pytest.raises(ValueError, match="disagree on length"):
-        make_packed_batch([SequenceInput(torch.arange(6), torch.ones(5, dtype=torch.bool), torch.zeros(6, 4))],
-                          block_size=4, mask_token_id=MASK, num_anchors=4)
+        make_packed_batch(
+            [SequenceInput(torch.arange(6), torch.ones(5, dtype=torch.bool), torch.zeros(6, 4))],
+            block_size=4,
+            mask_token_id=MASK,
+            num_anchors=4,
+        )

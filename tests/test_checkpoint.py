@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from dflash.train import checkpoint as ckpt
 
 
@@ -34,8 +33,15 @@ def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int, seed: int
 
 
 def _save(tmp: Path, step: int, model, opt, names, **meta) -> Path:
-    return ckpt.save_checkpoint(tmp / "checkpoints" / ckpt.step_dir_name(step), step, model=model, optimizer=opt,
-                                param_names=names, loader_state={"epoch": 1, "next_index": 7}, meta=meta)
+    return ckpt.save_checkpoint(
+        tmp / "checkpoints" / ckpt.step_dir_name(step),
+        step,
+        model=model,
+        optimizer=opt,
+        param_names=names,
+        loader_state={"epoch": 1, "next_index": 7},
+        meta=meta,
+    )
 
 
 def test_round_trip_continues_the_same_trajectory(tmp_path: Path) -> None:
@@ -107,5 +113,5 @@ def test_mismatched_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="do not match"):
         ckpt.load_checkpoint(path, model=other, optimizer=None, param_names=["weight", "bias"])
     (path / "rng.json").unlink()
-    with pytest.raises(ValueError, match="missing rng.json"):
+    with pytest.raises(ValueError, match=r"missing rng\.json"):
         ckpt.load_checkpoint(path, model=model, optimizer=opt, param_names=names)

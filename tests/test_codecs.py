@@ -93,6 +93,34 @@ def test_fp8_fast_cpu_dequantize_matches_torch_bit_for_bit() -> None:
     assert torch.equal(_bits(fast)[~nan], _bits(ref)[~nan])
 
 
+def test_fp8_fast_dequantize_across_chunks() -> None:
+    rng = np.random.default_rng(4)
+    q = torch.from_numpy(rng.integers(0, 256, size=(1100, 300), dtype=np.uint8))  # > 1 chunk of 2^18
+    scale = torch.from_numpy(rng.lognormal(0, 3, size=1100).astype(np.float32))
+    fast = _dequantize_fp8_cpu(q.numpy(), scale.numpy())
+    ref = dequantize_fp8(Fp8Block(q=q, scale=scale))
+    nan = torch.isnan(ref)
+    assert nan.any() and torch.equal(torch.isnan(fast), nan)
+    assert torch.equal(_bits(fast)[~nan], _bits(ref)[~nan])
+
+
+def test_quantize_fp8_matches_the_spec_formula_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dflash.shards.codecs as codecs
+
+    x = llm_like_layers(300, 70, 3, seed=8)[2]
+    monkeypatch.setattr(codecs, "_QUANT_CHUNK", 1000)  # 14 rows per step
+    got = quantize_fp8(x)
+    x32 = x.float().clone()
+    before = x32.clone()
+    quantize_fp8(x32)
+    assert torch.equal(x32, before)  # the caller's tensor is never modified
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    q = (xf / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(got.scale, scale) and torch.equal(got.q, q)
+
+
 def test_quantize_fp8_edge_cases() -> None:
     x = torch.zeros(3, 5, dtype=torch.bfloat16)
     x[1] = torch.tensor([1e-3, -2.0, 448.0, 5e4, 0.0])

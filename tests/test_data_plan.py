@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from dflash.train.data_plan import (
     SampleRef,
     ShardEntries,
@@ -20,6 +18,8 @@ from dflash.train.data_plan import (
     shard_order,
     window_shuffle,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def _shards(lengths_per_shard: list[list[int]], supervised: int = 5) -> dict[str, ShardEntries]:
@@ -75,18 +75,30 @@ def test_pack_by_budget_keeps_order_and_budget(lengths: list[int], budget: int) 
     assert [x for b in batches for x in b] == items
     assert all(sum(x.length for x in b) <= budget for b in batches)
     # Greedy: a batch closed only because the next sample did not fit.
-    for b, nxt in zip(batches, batches[1:], strict=False):
+    for b, nxt in itertools.pairwise(batches):
         assert sum(x.length for x in b) + nxt[0].length > budget
 
 
-@given(st.lists(st.lists(st.integers(1, 40), min_size=0, max_size=30), min_size=1, max_size=8),
-       st.integers(1, 4), st.integers(0, 5), st.sampled_from([0.0, 0.2]))
+@given(
+    st.lists(st.lists(st.integers(1, 40), min_size=0, max_size=30), min_size=1, max_size=8),
+    st.integers(1, 4),
+    st.integers(0, 5),
+    st.sampled_from([0.0, 0.2]),
+)
 @settings(max_examples=60, deadline=None)
 def test_ranks_together_see_every_sample_once(shard_lengths, world, seed, fraction) -> None:
     shards = _shards(shard_lengths)
     budget = 64
-    stream = epoch_batches(list(shards), shards.__getitem__, seed=seed, epoch=0, window=7, token_budget=budget,
-                           max_length=40, heldout_fraction=fraction)
+    stream = epoch_batches(
+        list(shards),
+        shards.__getitem__,
+        seed=seed,
+        epoch=0,
+        window=7,
+        token_budget=budget,
+        max_length=40,
+        heldout_fraction=fraction,
+    )
     groups = list(group_for_ranks(stream, world))
     assert all(len(g) == world for g in groups)  # equal step counts on every rank (DDP needs it)
     seen = Counter(ref.row for g in groups for batch in g for ref in batch)
@@ -117,8 +129,18 @@ def test_epoch_plan_is_deterministic_and_lazy() -> None:
 def test_samples_without_anchor_and_long_samples() -> None:
     shards = _shards([[5, 100, 7]])
     shards["shard-000000.dfs"].supervised[0] = 1  # one supervised token: no anchor pair, never trained on
-    batches = list(epoch_batches(list(shards), shards.__getitem__, seed=0, epoch=0, window=1, token_budget=64,
-                                 max_length=64, heldout_fraction=0.0))
+    batches = list(
+        epoch_batches(
+            list(shards),
+            shards.__getitem__,
+            seed=0,
+            epoch=0,
+            window=1,
+            token_budget=64,
+            max_length=64,
+            heldout_fraction=0.0,
+        )
+    )
     refs = [r for b in batches for r in b]
     assert sorted(r.row for r in refs) == [1, 2]
     assert {r.row: r.length for r in refs}[1] == 64  # truncated to max_length
@@ -126,12 +148,14 @@ def test_samples_without_anchor_and_long_samples() -> None:
 
 def test_eval_batches_are_only_heldout_rows() -> None:
     shards = _shards([[10] * 50 for _ in range(4)])
-    batches = eval_batches(list(shards), shards.__getitem__, max_samples=12, token_budget=30, max_length=40,
-                           heldout_fraction=0.2)
+    batches = eval_batches(
+        list(shards), shards.__getitem__, max_samples=12, token_budget=30, max_length=40, heldout_fraction=0.2
+    )
     rows = np.array([r.row for b in batches for r in b])
     assert 0 < len(rows) <= 12 and heldout_mask(rows, 0.2).all()
-    assert batches == eval_batches(list(shards), shards.__getitem__, max_samples=12, token_budget=30,
-                                   max_length=40, heldout_fraction=0.2)
+    assert batches == eval_batches(
+        list(shards), shards.__getitem__, max_samples=12, token_budget=30, max_length=40, heldout_fraction=0.2
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -7,28 +7,68 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
 from dflash.shards.errors import ShardError
 from dflash.train.blocks import SequenceInput, make_packed_batch
 from dflash.train.export import export_drafter, hf_config_dict, load_drafter
 from dflash.train.frozen import FrozenTarget
 from dflash.train.mask import build_attention_mask
 from dflash.train.model import DFlashDrafter, DrafterConfig
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-TARGET = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
-              vocab_size=64, num_hidden_layers=10, rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=512,
-              bos_token_id=3, eos_token_id=[4, 5])
+TARGET = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=48,
+    vocab_size=64,
+    num_hidden_layers=10,
+    rope_theta=1e6,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+    bos_token_id=3,
+    eos_token_id=[4, 5],
+)
 CONFIG_KEYS = {
-    "architectures", "auto_map", "model_type", "block_size", "num_target_layers", "dflash_config",
-    "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
-    "attention_bias", "tie_word_embeddings", "vocab_size", "layer_types", "dtype", "bos_token_id", "eos_token_id",
+    "architectures",
+    "auto_map",
+    "model_type",
+    "block_size",
+    "num_target_layers",
+    "dflash_config",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "attention_bias",
+    "tie_word_embeddings",
+    "vocab_size",
+    "layer_types",
+    "dtype",
+    "bos_token_id",
+    "eos_token_id",
 }
-LAYER_NAMES = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-               "mlp.down_proj"]
+LAYER_NAMES = [
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -49,15 +89,20 @@ def setup():
             if "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
     frozen = FrozenTarget(torch.randn(64, 32), torch.randn(64, 32), TARGET, 60)
-    seq = SequenceInput(torch.randint(0, 59, (30,)), torch.arange(30) >= 4, torch.randn(30, 32 * cfg.num_features))
-    batch = make_packed_batch([seq], block_size=4, mask_token_id=60, num_anchors=6,
-                              generator=torch.Generator().manual_seed(0))
+    seq = SequenceInput(
+        torch.randint(0, 59, (30,)), torch.arange(30) >= 4, torch.randn(30, 32 * cfg.num_features)
+    )
+    batch = make_packed_batch(
+        [seq], block_size=4, mask_token_id=60, num_anchors=6, generator=torch.Generator().manual_seed(0)
+    )
     return cfg, model, frozen, seq, batch
 
 
 def _block_logits(model, frozen, batch):
     with torch.no_grad():
-        return frozen.logits(model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, "dense")))
+        return frozen.logits(
+            model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, "dense"))
+        )
 
 
 def test_config_keys_and_weight_names_exactly(setup, tmp_path) -> None:
@@ -71,7 +116,9 @@ def test_config_keys_and_weight_names_exactly(setup, tmp_path) -> None:
     assert (raw["rope_theta"], raw["rope_scaling"], raw["dtype"]) == (1e6, None, "bfloat16")
     assert raw["layer_types"] == ["full_attention"] * 2 and raw["num_target_layers"] == 10
     assert (raw["bos_token_id"], raw["eos_token_id"], raw["block_size"]) == (3, [4, 5], 4)
-    assert raw["attention_bias"] is False and raw["tie_word_embeddings"] is False and raw["hidden_act"] == "silu"
+    assert (
+        raw["attention_bias"] is False and raw["tie_word_embeddings"] is False and raw["hidden_act"] == "silu"
+    )
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
         assert all(f.get_tensor(n).dtype == torch.bfloat16 for n in names)
@@ -99,8 +146,9 @@ def test_export_then_load_gives_identical_block_logits(setup, tmp_path) -> None:
     out = export_drafter(model, cfg, tmp_path / "fp32", dtype=torch.float32)
     loaded = load_drafter(out)
     assert loaded.config == cfg
-    torch.testing.assert_close(_block_logits(loaded, frozen, batch), _block_logits(model, frozen, batch),
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        _block_logits(loaded, frozen, batch), _block_logits(model, frozen, batch), atol=0, rtol=0
+    )
     bf16 = load_drafter(export_drafter(model.state_dict(), cfg, tmp_path / "bf16"))
     assert bf16.fc.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="does not match"):
@@ -117,26 +165,44 @@ def test_automodel_trust_remote_code_matches_block_logits(setup, tmp_path) -> No
     for n in range(batch.num_blocks):
         a = int(batch.anchor_pos[n])
         with torch.no_grad():  # the reference's calling convention: context < a, then the block at a..a+B-1
-            hidden = hf(position_ids=torch.arange(a + 4)[None], noise_embedding=frozen.embed(batch.block_ids[n])[None],
-                        target_hidden=seq.features[:a][None])
+            hidden = hf(
+                position_ids=torch.arange(a + 4)[None],
+                noise_embedding=frozen.embed(batch.block_ids[n])[None],
+                target_hidden=seq.features[:a][None],
+            )
         torch.testing.assert_close(frozen.logits(hidden[0]), ours[n], atol=1e-4, rtol=1e-4)
 
 
 def test_automodel_with_kv_cache_matches_one_shot(setup, tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     cfg, model, frozen, seq, _ = setup
-    hf = transformers.AutoModel.from_pretrained(str(export_drafter(model, cfg, tmp_path / "c", dtype=torch.float32)),
-                                                trust_remote_code=True, dtype=torch.float32).eval()
+    hf = transformers.AutoModel.from_pretrained(
+        str(export_drafter(model, cfg, tmp_path / "c", dtype=torch.float32)),
+        trust_remote_code=True,
+        dtype=torch.float32,
+    ).eval()
     block = frozen.embed(torch.tensor([[7, 60, 60, 60]]))
     with torch.no_grad():
-        one_shot = hf(position_ids=torch.arange(24)[None], noise_embedding=block, target_hidden=seq.features[None, :20])
+        one_shot = hf(
+            position_ids=torch.arange(24)[None], noise_embedding=block, target_hidden=seq.features[None, :20]
+        )
         cache = transformers.DynamicCache()
         # decode-style: context fed in two pieces, the first block cropped from the cache in between
-        hf(position_ids=torch.arange(16)[None], noise_embedding=block, target_hidden=seq.features[None, :12],
-           past_key_values=cache, use_cache=True)
-        cache.crop(12)
-        stepped = hf(position_ids=torch.arange(12, 24)[None], noise_embedding=block,
-                     target_hidden=seq.features[None, 12:20], past_key_values=cache, use_cache=True)
+        hf(
+            position_ids=torch.arange(16)[None],
+            noise_embedding=block,
+            target_hidden=seq.features[None, :12],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache.crop(12 - cache.get_seq_length())  # negative: drop that many (transformers 4.x and 5.x)
+        stepped = hf(
+            position_ids=torch.arange(12, 24)[None],
+            noise_embedding=block,
+            target_hidden=seq.features[None, 12:20],
+            past_key_values=cache,
+            use_cache=True,
+        )
     torch.testing.assert_close(stepped, one_shot, atol=1e-5, rtol=1e-5)
 
 
@@ -162,3 +228,33 @@ def test_load_public_drafter_layout(setup, tmp_path) -> None:
     (out / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="mask_token_id"):
         load_drafter(out)
+
+
+def test_automodel_matches_with_linear_rope_scaling(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    cfg = DrafterConfig.from_target_config(
+        {**TARGET, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        mask_token_id=60,
+        num_hidden_layers=1,
+        block_size=4,
+    )
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    model = DFlashDrafter(cfg).eval()
+    frozen = FrozenTarget(torch.randn(64, 32), torch.randn(64, 32), TARGET, 60)
+    seq = SequenceInput(torch.randint(0, 59, (40,)), torch.ones(40, dtype=torch.bool), torch.randn(40, 32))
+    batch = make_packed_batch(
+        [seq], block_size=4, mask_token_id=60, num_anchors=1, anchors=[torch.tensor([33])]
+    )
+    out = export_drafter(model, cfg, tmp_path / "lin", dtype=torch.float32)
+    assert load_drafter(out).config.rope_scaling == cfg.rope_scaling
+    hf = transformers.AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = hf(
+            position_ids=torch.arange(37)[None],
+            noise_embedding=frozen.embed(batch.block_ids[0])[None],
+            target_hidden=seq.features[:33][None],
+        )
+    torch.testing.assert_close(
+        frozen.logits(hidden[0]), _block_logits(model, frozen, batch)[0], atol=1e-4, rtol=1e-4
+    )

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from dflash.extract import pipeline
 from dflash.extract.pipeline import run_extraction
 from dflash.extract.units import CacheLocked, assign_units
@@ -23,6 +21,8 @@ from dflash.shards.manifest import load_manifest
 from dflash.shards.reader import Cache
 from dflash.shards.verify import verify_cache
 from dflash.shards.writer import ShardWriter
+from safetensors import safe_open
+
 from tests.common.extract import LAYERS, make_config, samples_by_row, shard_bytes, tiny_rows, write_dataset
 from tests.common.targets import load_reference, make_target, reference_layer_outputs
 
@@ -96,7 +96,9 @@ def test_fp8_cache_close_to_reference(tmp_path: Path, dataset: Path, qwen3: Path
                 assert (got - exp).norm() / exp.norm() < 0.05
 
 
-def test_rerun_of_complete_cache_does_nothing_and_parts_are_written(tmp_path: Path, dataset: Path, qwen3: Path) -> None:
+def test_rerun_of_complete_cache_does_nothing_and_parts_are_written(
+    tmp_path: Path, dataset: Path, qwen3: Path
+) -> None:
     cfg = make_config(qwen3, dataset, tmp_path / "cache")
     run_extraction(cfg)
     before = shard_bytes(tmp_path / "cache")
@@ -110,10 +112,16 @@ def test_rerun_of_complete_cache_does_nothing_and_parts_are_written(tmp_path: Pa
 
 @pytest.mark.parametrize(
     "change,field",
-    [({"codec": "fp8"}, "codec.name"), ({"layers": [0, 2]}, "layers"), ({"max_len": 16}, "options.max_len"),
-     ({"token_budget": 128}, "options.token_budget")],
+    [
+        ({"codec": "fp8"}, "codec.name"),
+        ({"layers": [0, 2]}, "layers"),
+        ({"max_len": 16}, "options.max_len"),
+        ({"token_budget": 128}, "options.token_budget"),
+    ],
 )
-def test_resume_with_changed_option_is_refused(tmp_path: Path, dataset: Path, qwen3: Path, change: dict, field: str) -> None:
+def test_resume_with_changed_option_is_refused(
+    tmp_path: Path, dataset: Path, qwen3: Path, change: dict, field: str
+) -> None:
     out = tmp_path / "cache"
     run_extraction(make_config(qwen3, dataset, out))
     manifest_before = (out / "manifest.json").read_bytes()
@@ -142,11 +150,16 @@ def test_lock_held_by_another_process(tmp_path: Path, dataset: Path, qwen3: Path
     out = tmp_path / "cache"
     out.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import fcntl, json, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT);"
-         "fcntl.lockf(fd, fcntl.LOCK_EX); os.write(fd, json.dumps({'pid': os.getpid(), 'host': 'h', 'world_size': 1}).encode());"
-         "print('held', flush=True); time.sleep(60)", str(out / ".lock")],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, json, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT);"
+            "fcntl.lockf(fd, fcntl.LOCK_EX); os.write(fd, json.dumps({'pid': os.getpid(), 'host': 'h', 'world_size': 1}).encode());"
+            "print('held', flush=True); time.sleep(60)",
+            str(out / ".lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -169,7 +182,9 @@ def test_disk_estimate_refuses_unless_forced(tmp_path: Path, dataset: Path, qwen
     assert run_extraction(make_config(qwen3, dataset, tmp_path / "cache", force=True)).complete
 
 
-def test_enospc_mid_run_stops_cleanly_and_resumes(tmp_path: Path, dataset: Path, qwen3: Path, monkeypatch) -> None:
+def test_enospc_mid_run_stops_cleanly_and_resumes(
+    tmp_path: Path, dataset: Path, qwen3: Path, monkeypatch
+) -> None:
     reference = tmp_path / "reference"
     run_extraction(make_config(qwen3, dataset, reference, unit_bytes=8 << 10))
     out = tmp_path / "cache"
@@ -188,7 +203,9 @@ def test_enospc_mid_run_stops_cleanly_and_resumes(tmp_path: Path, dataset: Path,
     manifest = load_manifest(out)
     assert not manifest.complete
     committed = sorted(p.name for p in (out / "shards").iterdir())
-    assert committed and all(not n.startswith(".") for n in committed)  # temp file of the failed shard removed
+    assert committed and all(
+        not n.startswith(".") for n in committed
+    )  # temp file of the failed shard removed
     assert len(committed) < len(shard_bytes(reference))
     monkeypatch.setattr(ShardWriter, "_write", real_write)
     result = run_extraction(make_config(qwen3, dataset, out, unit_bytes=8 << 10))

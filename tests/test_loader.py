@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from dflash.shards import Cache, ShardReader
 from dflash.shards.errors import ShardError
 from dflash.train import loader as loader_mod
 from dflash.train.data_plan import heldout_mask
 from dflash.train.loader import StreamingLoader
+
 from tests.common.fake_cache import corrupt_sample, write_fake_cache
 
 FRACTION = 0.2
@@ -26,9 +26,22 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def _loader(cache_dir: Path, **overrides) -> StreamingLoader:
-    kwargs = dict(layer_ids=[1, 3], block_size=4, mask_token_id=90, num_anchors=4, gamma=2.0, token_budget=96,
-                  max_length=40, shuffle_window=8, loader_threads=2, prefetch_batches=3, on_corrupt="fail",
-                  heldout_fraction=FRACTION, seed=1, epochs=2)
+    kwargs = dict(
+        layer_ids=[1, 3],
+        block_size=4,
+        mask_token_id=90,
+        num_anchors=4,
+        gamma=2.0,
+        token_budget=96,
+        max_length=40,
+        shuffle_window=8,
+        loader_threads=2,
+        prefetch_batches=3,
+        on_corrupt="fail",
+        heldout_fraction=FRACTION,
+        seed=1,
+        epochs=2,
+    )
     kwargs.update(overrides)
     return StreamingLoader(Cache.open(kwargs.pop("cache", cache_dir)), **kwargs)
 
@@ -84,7 +97,9 @@ def test_two_ranks_split_each_epoch(cache_dir: Path) -> None:
 
 
 def test_missing_layer_is_refused_in_one_line(cache_dir: Path) -> None:
-    with pytest.raises(ValueError, match=r"target layer 7 is not in the cache .*cached layers \[0, 1, 2, 3\]") as exc:
+    with pytest.raises(
+        ValueError, match=r"target layer 7 is not in the cache .*cached layers \[0, 1, 2, 3\]"
+    ) as exc:
         _loader(cache_dir, layer_ids=[1, 7])
     assert "\n" not in str(exc.value)
 
@@ -102,7 +117,7 @@ def test_corrupt_sample_skip_and_fail(tmp_path: Path) -> None:
     # A layer the run does not read is never decoded, so its corruption cannot hurt:
     ok = _collect(_loader(cache, layer_ids=[0], on_corrupt="fail", epochs=1))
     assert bad_row in [r for b, _ in ok for r in b.rows]
-    with pytest.raises(ShardError, match="checksum mismatch.*--on-corrupt skip"):
+    with pytest.raises(ShardError, match=r"checksum mismatch.*--on-corrupt skip"):
         _collect(_loader(cache, layer_ids=[1], on_corrupt="fail", epochs=1))
 
 
@@ -136,3 +151,10 @@ def test_first_batch_comes_fast_on_a_big_cache(tmp_path: Path, monkeypatch) -> N
     elapsed = time.perf_counter() - start
     assert first and elapsed < 5.0
     assert len(set(opened)) <= 2  # of 60 shards: nothing scans the cache before the first batch
+
+
+def test_explicit_eval_rows_never_reach_training(cache_dir: Path) -> None:
+    held = frozenset({0, 5, 17, 33})
+    items = _collect(_loader(cache_dir, heldout_fraction=0.0, heldout_rows=held, epochs=1))
+    rows = [r for b, _ in items for r in b.rows]
+    assert sorted(rows) == sorted(set(range(48)) - held)

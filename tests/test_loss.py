@@ -5,12 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from dflash.train.blocks import SequenceInput, make_packed_batch
 from dflash.train.frozen import FrozenTarget
 from dflash.train.loss import LossStats, drafter_loss, linear_cross_entropy
 from dflash.train.mask import build_attention_mask
 from dflash.train.model import DFlashDrafter, DrafterConfig
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models: thread hand-offs cost more than the math, and CI runs test files in parallel.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _naive(hidden, weight, labels, weights, normalizer=None):
@@ -52,15 +60,26 @@ def test_chunked_loss_bf16_and_external_normalizer() -> None:
 
 def test_zero_weights_give_zero_loss_and_gradient() -> None:
     hidden = torch.randn(6, 8, requires_grad=True)
-    loss, _ = linear_cross_entropy(hidden, torch.randn(10, 8), torch.zeros(6, dtype=torch.long), torch.zeros(6))
+    loss, _ = linear_cross_entropy(
+        hidden, torch.randn(10, 8), torch.zeros(6, dtype=torch.long), torch.zeros(6)
+    )
     loss.backward()
     assert loss.item() == 0 and hidden.grad.eq(0).all()
     with torch.no_grad():  # no gradient requested: none computed, no error
         linear_cross_entropy(hidden, torch.randn(10, 8), torch.zeros(6, dtype=torch.long), torch.ones(6))
 
 
-TARGET = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-              vocab_size=80, num_hidden_layers=6, rope_theta=1e6, rms_norm_eps=1e-6)
+TARGET = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    vocab_size=80,
+    num_hidden_layers=6,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+)
 
 
 def test_drafter_loss_trains_slot_k_toward_the_token_at_anchor_plus_k() -> None:
@@ -68,10 +87,18 @@ def test_drafter_loss_trains_slot_k_toward_the_token_at_anchor_plus_k() -> None:
     cfg = DrafterConfig.from_target_config(TARGET, mask_token_id=79, num_hidden_layers=1, block_size=5)
     model = DFlashDrafter(cfg)
     frozen = FrozenTarget(torch.randn(80, 32), torch.randn(80, 32), TARGET, 79)
-    seqs = [SequenceInput(torch.randint(0, 79, (s,)), torch.arange(s) >= 3, torch.randn(s, 32 * cfg.num_features))
-            for s in (21, 12)]
-    batch = make_packed_batch(seqs, block_size=5, mask_token_id=79, num_anchors=5,
-                              generator=torch.Generator().manual_seed(0), pad_blocks_to_multiple=4)
+    seqs = [
+        SequenceInput(torch.randint(0, 79, (s,)), torch.arange(s) >= 3, torch.randn(s, 32 * cfg.num_features))
+        for s in (21, 12)
+    ]
+    batch = make_packed_batch(
+        seqs,
+        block_size=5,
+        mask_token_id=79,
+        num_anchors=5,
+        generator=torch.Generator().manual_seed(0),
+        pad_blocks_to_multiple=4,
+    )
     loss, stats = drafter_loss(model, frozen, batch, chunk_rows=6)
     # Independent reference: logits of every block slot vs the token at anchor + k, weights exp(-(k-1)/7 * 16/5...)
     logits = frozen.logits(model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, "dense")))
@@ -97,11 +124,58 @@ def test_drafter_loss_trains_slot_k_toward_the_token_at_anchor_plus_k() -> None:
 
 def test_stats_merge_and_summary() -> None:
     def make(c, v, acc):
-        return LossStats(loss_sum=torch.tensor(2.0), weight_sum=torch.tensor(4.0), slot_correct=torch.tensor(c),
-                         slot_valid=torch.tensor(v), accept_at_least=torch.tensor(acc),
-                         accept_len_sum=torch.tensor(float(sum(acc))))
+        return LossStats(
+            loss_sum=torch.tensor(2.0),
+            weight_sum=torch.tensor(4.0),
+            slot_correct=torch.tensor(c),
+            slot_valid=torch.tensor(v),
+            accept_at_least=torch.tensor(acc),
+            accept_len_sum=torch.tensor(float(sum(acc))),
+        )
+
     merged = make([0.0, 2, 1], [0.0, 4, 4], [4.0, 2, 1]).merge(make([0.0, 2, 1], [0.0, 4, 4], [4.0, 2, 0]))
     out = merged.summary()
     assert out["loss"] == 0.5 and out["acc_1"] == 0.5 and out["acc_2"] == 0.25
     assert out["blocks"] == 8 and out["accept_1"] == 0.5 and out["accept_2"] == 1 / 8
     assert out["tau"] == pytest.approx((7 + 6) / 8)
+
+
+def test_autograd_never_keeps_full_logits() -> None:
+    # Memory bound: nothing of size rows x vocab may be saved for backward (only [rows, hidden] survives).
+    rows, vocab, width = 512, 4000, 16
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    hidden = torch.randn(rows, width, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = linear_cross_entropy(
+            hidden * 1.0,
+            torch.randn(vocab, width),
+            torch.randint(0, vocab, (rows,)),
+            torch.ones(rows),
+            chunk_rows=64,
+        )
+    loss.backward()
+    assert saved and max(saved) <= rows * width
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_loss_memory_stays_bounded_on_gpu() -> None:
+    # 512 anchors x 15 drafted slots x a Qwen3 vocabulary: full fp32 logits would be 4.7 GB.
+    rows, vocab, width, chunk = 512 * 15, 151936, 4096, 1024
+    weight = (torch.randn(vocab, width, device="cuda") * 0.02).to(torch.bfloat16)
+    hidden = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows,), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss, _ = linear_cross_entropy(hidden, weight, labels, torch.ones(rows, device="cuda"), chunk_rows=chunk)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 3 * chunk * vocab * 4 + 4 * rows * width * 4, f"{extra / 1e9:.2f} GB"
+    assert torch.isfinite(hidden.grad).all()

@@ -6,25 +6,55 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from dflash.train.blocks import SequenceInput, make_packed_batch
 from dflash.train.frozen import FrozenTarget
 from dflash.train.mask import build_attention_mask, dense_mask
 from dflash.train.model import DFlashDrafter, DrafterConfig
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-TARGET = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-              vocab_size=64, num_hidden_layers=6, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=256)
+TARGET = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    vocab_size=64,
+    num_hidden_layers=6,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+)
 B = 4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models: thread hand-offs cost more than the math, and CI runs test files in parallel.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _pack(lengths, num_anchors=3, seed=0, pad=1, k=2):
     gen = torch.Generator().manual_seed(seed)
-    seqs = [SequenceInput(torch.randint(0, 60, (s,), generator=gen), torch.ones(s, dtype=torch.bool),
-                          torch.randn(s, 32 * k, generator=gen)) for s in lengths]
-    return seqs, make_packed_batch(seqs, block_size=B, mask_token_id=63, num_anchors=num_anchors, generator=gen,
-                                   pad_blocks_to_multiple=pad)
+    seqs = [
+        SequenceInput(
+            torch.randint(0, 60, (s,), generator=gen),
+            torch.ones(s, dtype=torch.bool),
+            torch.randn(s, 32 * k, generator=gen),
+        )
+        for s in lengths
+    ]
+    return seqs, make_packed_batch(
+        seqs,
+        block_size=B,
+        mask_token_id=63,
+        num_anchors=num_anchors,
+        generator=gen,
+        pad_blocks_to_multiple=pad,
+    )
 
 
 def _oracle(batch) -> torch.Tensor:
@@ -37,12 +67,16 @@ def _oracle(batch) -> torch.Tensor:
             continue
         for kv in range(t):
             allowed[q, kv] = int(batch.context_seq[kv]) == s and int(batch.context_pos[kv]) < a
-        allowed[q, t + n * B: t + (n + 1) * B] = True
+        allowed[q, t + n * B : t + (n + 1) * B] = True
     return allowed
 
 
-@given(lengths=st.lists(st.integers(2, 12), min_size=1, max_size=3), anchors=st.integers(1, 5),
-       pad=st.integers(1, 4), seed=st.integers(0, 1000))
+@given(
+    lengths=st.lists(st.integers(2, 12), min_size=1, max_size=3),
+    anchors=st.integers(1, 5),
+    pad=st.integers(1, 4),
+    seed=st.integers(0, 1000),
+)
 @settings(max_examples=40, deadline=None)
 def test_dense_mask_matches_a_literal_reading_of_the_rule(lengths, anchors, pad, seed) -> None:
     _, batch = _pack(lengths, anchors, seed, pad)
@@ -51,8 +85,9 @@ def test_dense_mask_matches_a_literal_reading_of_the_rule(lengths, anchors, pad,
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    cfg = DrafterConfig.from_target_config(TARGET, mask_token_id=63, num_hidden_layers=2, block_size=B,
-                                           target_layer_ids=[1, 4])
+    cfg = DrafterConfig.from_target_config(
+        TARGET, mask_token_id=63, num_hidden_layers=2, block_size=B, target_layer_ids=[1, 4]
+    )
     frozen = FrozenTarget(torch.randn(64, 32), torch.randn(64, 32), TARGET, 63)
     return DFlashDrafter(cfg).eval(), frozen
 
@@ -138,7 +173,7 @@ def test_flex_attention_equals_dense_on_gpu_forward_and_backward() -> None:
     model, frozen = _model(3)
     model = model.cuda().train()
     frozen = frozen.to("cuda")
-    _, batch = _pack([300, 170], num_anchors=40, pad=8)
+    _, batch = _pack([300, 170], num_anchors=37, pad=8)  # 74 blocks + 6 padding blocks
     batch = batch.to("cuda")
     outs, grads = [], []
     for backend in ("dense", "flex"):
@@ -147,8 +182,9 @@ def test_flex_attention_equals_dense_on_gpu_forward_and_backward() -> None:
         (hidden[batch.block_seq >= 0].float().square().mean()).backward()
         outs.append(hidden.detach())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(grads[1], grads[0], atol=2e-4, rtol=2e-3)
+    # Loose enough for TF32 inside the kernels; a mask error moves outputs by O(1).
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(grads[1], grads[0], atol=2e-3, rtol=2e-2)
 
 
 def test_padding_blocks_see_nothing_and_stay_finite() -> None:

@@ -6,26 +6,48 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from dflash.shards.errors import ShardError
 from dflash.train.blocks import SequenceInput, make_packed_batch
 from dflash.train.frozen import FrozenTarget, load_frozen_target
 from dflash.train.mask import build_attention_mask
 from dflash.train.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from safetensors.torch import save_file
 
-TARGET = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-              vocab_size=96, num_hidden_layers=8, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=256,
-              bos_token_id=1, eos_token_id=2)
+TARGET = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    vocab_size=96,
+    num_hidden_layers=8,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
-@pytest.mark.parametrize(("layers", "k", "expected"), [
-    (36, 5, [1, 9, 17, 25, 33]),
-    (64, 5, [1, 16, 31, 46, 61]),
-    (32, 5, [1, 8, 15, 22, 29]),
-    (36, 1, [18]),
-    (28, 3, [1, 13, 25]),
-])
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models: thread hand-offs cost more than the math, and CI runs test files in parallel.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("layers", "k", "expected"),
+    [
+        (36, 5, [1, 9, 17, 25, 33]),
+        (64, 5, [1, 16, 31, 46, 61]),
+        (32, 5, [1, 8, 15, 22, 29]),
+        (36, 1, [18]),
+        (28, 3, [1, 13, 25]),
+    ],
+)
 def test_default_target_layer_ids(layers: int, k: int, expected: list[int]) -> None:
     assert default_target_layer_ids(layers, k) == expected
 
@@ -49,19 +71,26 @@ def test_config_from_nested_transformers5_target() -> None:
     # Qwen3.5-style wrapper: text settings under text_config, theta under rope_parameters.
     text = {k: v for k, v in TARGET.items() if k != "rope_theta"}
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6}
-    cfg = DrafterConfig.from_target_config({"model_type": "qwen3_5", "text_config": text}, mask_token_id=90,
-                                           num_hidden_layers=2, target_layer_ids=[3, 6])
+    cfg = DrafterConfig.from_target_config(
+        {"model_type": "qwen3_5", "text_config": text},
+        mask_token_id=90,
+        num_hidden_layers=2,
+        target_layer_ids=[3, 6],
+    )
     assert cfg.rope_theta == 5e6 and cfg.rope_scaling is None and cfg.target_layer_ids == (3, 6)
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ({"target_layer_ids": [1, 8]}, "outside the target"),
-    ({"target_layer_ids": [2, 2]}, "duplicates"),
-    ({"mask_token_id": 96}, "outside the vocabulary"),
-    ({"block_size": 1}, "block_size"),
-    ({"num_key_value_heads": 3}, "multiple"),
-    ({"bogus": 1}, "unknown DrafterConfig"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"target_layer_ids": [1, 8]}, "outside the target"),
+        ({"target_layer_ids": [2, 2]}, "duplicates"),
+        ({"mask_token_id": 96}, "outside the vocabulary"),
+        ({"block_size": 1}, "block_size"),
+        ({"num_key_value_heads": 3}, "multiple"),
+        ({"bogus": 1}, "unknown DrafterConfig"),
+    ],
+)
 def test_config_rejects_bad_values(override: dict, message: str) -> None:
     kwargs = {"mask_token_id": 95, **override}
     with pytest.raises(ValueError, match=message):
@@ -70,21 +99,36 @@ def test_config_rejects_bad_values(override: dict, message: str) -> None:
 
 def _setup(seed: int = 0, block_size: int = 4):
     torch.manual_seed(seed)
-    cfg = DrafterConfig.from_target_config(TARGET, mask_token_id=95, num_hidden_layers=2, block_size=block_size)
+    cfg = DrafterConfig.from_target_config(
+        TARGET, mask_token_id=95, num_hidden_layers=2, block_size=block_size
+    )
     model = DFlashDrafter(cfg)
     frozen = FrozenTarget(torch.randn(96, 32), torch.randn(96, 32), TARGET, 95)
-    seqs = [SequenceInput(torch.randint(0, 90, (s,)), torch.arange(s) >= 2, torch.randn(s, 32 * cfg.num_features))
-            for s in (18, 11)]
-    batch = make_packed_batch(seqs, block_size=block_size, mask_token_id=95, num_anchors=4,
-                              generator=torch.Generator().manual_seed(seed), pad_blocks_to_multiple=3)
+    seqs = [
+        SequenceInput(torch.randint(0, 90, (s,)), torch.arange(s) >= 2, torch.randn(s, 32 * cfg.num_features))
+        for s in (18, 11)
+    ]
+    batch = make_packed_batch(
+        seqs,
+        block_size=block_size,
+        mask_token_id=95,
+        num_anchors=4,
+        generator=torch.Generator().manual_seed(seed),
+        pad_blocks_to_multiple=3,
+    )
     return cfg, model, frozen, batch
 
 
 def test_parameter_names_are_the_export_names() -> None:
     cfg, model, _, _ = _setup()
     names = set(model.state_dict())
-    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
-            "layers.0.mlp.down_proj.weight"} <= names
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.1.self_attn.k_norm.weight",
+        "layers.0.mlp.down_proj.weight",
+    } <= names
     assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in names)
     assert model.fc.weight.shape == (32, 32 * cfg.num_features)
     assert all(not n.endswith(".bias") for n in names)
@@ -118,15 +162,21 @@ def test_block_token_positions_use_rope_at_anchor_plus_slot() -> None:
     assert (other[real] - base[real]).abs().max() > 1e-3
 
 
-def _write_cache(tmp_path, vocab: int = 96, tokens: int | None = 90, keys=("embed_tokens.weight", "lm_head.weight")):
+def _write_cache(
+    tmp_path, vocab: int = 96, tokens: int | None = 90, keys=("embed_tokens.weight", "lm_head.weight")
+):
     target = tmp_path / "target"
     target.mkdir(parents=True)
     (target / "config.json").write_text(json.dumps({**TARGET, "vocab_size": vocab}))
-    save_file({k: torch.randn(vocab, 32).to(torch.bfloat16) for k in keys}, str(target / "frozen.safetensors"))
+    save_file(
+        {k: torch.randn(vocab, 32).to(torch.bfloat16) for k in keys}, str(target / "frozen.safetensors")
+    )
     if tokens is not None:
         vocab_map = {f"t{i}": i for i in range(tokens - 2)}
         added = [{"id": tokens - 2, "content": "<a>"}, {"id": tokens - 1, "content": "<b>"}]
-        (target / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab_map}, "added_tokens": added}))
+        (target / "tokenizer.json").write_text(
+            json.dumps({"model": {"vocab": vocab_map}, "added_tokens": added})
+        )
     return tmp_path
 
 
@@ -147,3 +197,23 @@ def test_load_frozen_target_errors(tmp_path) -> None:
         load_frozen_target(_write_cache(tmp_path / "nohead", keys=("embed_tokens.weight",)), mask_token_id=5)
     with pytest.raises(FileNotFoundError, match="complete dflash cache"):
         load_frozen_target(tmp_path / "nowhere")
+
+
+def test_fp32_master_weights_under_bf16_autocast() -> None:
+    # The trainer's recipe: fp32 parameters, bf16 compute. Both mask paths must accept the mixed dtypes.
+    import warnings
+
+    from dflash.train.loss import drafter_loss
+
+    warnings.filterwarnings("ignore", message=".*flex_attention.*")
+    _, model, frozen, batch = _setup(5)
+    frozen = frozen.to(dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = drafter_loss(model, frozen, batch, attn_mask=build_attention_mask(batch, "dense"))
+        with torch.no_grad():
+            dense = model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, "dense"))
+            flex = model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, "flex"))
+    loss.backward()
+    assert model.fc.weight.grad.dtype == torch.float32 and torch.isfinite(model.fc.weight.grad).all()
+    real = batch.block_seq >= 0
+    torch.testing.assert_close(flex[real].float(), dense[real].float(), atol=3e-2, rtol=3e-2)

@@ -81,7 +81,7 @@ def test_pad_multiple_rounds_up():
 
 
 def test_empty_and_bad_inputs():
-    assert plan_batches(np.zeros(0, np.int64), np.zeros(0, np.int64), token_budget=10) == []
+    assert len(plan_batches(np.zeros(0, np.int64), np.zeros(0, np.int64), token_budget=10)) == 0
     with pytest.raises(ValueError, match="length >= 1"):
         plan_batches(np.array([0]), np.array([0]), token_budget=10)
     with pytest.raises(ValueError, match="token_budget"):
@@ -143,3 +143,19 @@ def test_estimates_use_named_ratios():
     assert est["raw"] == pytest.approx(1.8e9 * 40960, rel=0.01)  # DESIGN.md: 74 TB raw for Qwen3-8B
     with pytest.raises(ValueError, match="unknown codec"):
         bytes_per_token("gzip", 5, 4096)
+
+
+def test_batch_plan_sequence_access_matches_iteration():
+    rng = np.random.default_rng(0)
+    plan = plan_batches(np.arange(500), rng.integers(1, 300, 500), token_budget=1024, pad_multiple=16)
+    listed = list(plan)
+    assert len(listed) == len(plan)
+    assert plan[-1].rows.tolist() == listed[-1].rows.tolist()
+    assert [b.rows.tolist() for b in plan[2:5]] == [b.rows.tolist() for b in listed[2:5]]
+    assert plan.tokens.tolist() == [b.tokens for b in listed]
+    assert plan.padded_tokens.tolist() == [b.padded_tokens for b in listed]
+    assert plan_stats(plan) == plan_stats(listed)
+    units = plan_units(plan, bytes_per_token=7, unit_bytes=50_000)
+    assert units == plan_units(listed, bytes_per_token=7, unit_bytes=50_000)
+    with pytest.raises(IndexError):
+        plan[len(plan)]

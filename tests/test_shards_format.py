@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import tempfile
 import threading
@@ -121,10 +122,11 @@ def test_layer_subsets_iteration_and_raw_fp8(tmp_path: Path, codec: str) -> None
             cache.read(7)
 
 
-def test_concurrent_reads_from_many_threads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("max_open", [1, 64])
+def test_concurrent_reads_from_many_threads(tmp_path: Path, max_open: int) -> None:
     written = make_cache(tmp_path, [30 + i for i in range(12)], hidden=64, rows_per_shard=5)
     errors: list[BaseException] = []
-    with Cache.open(tmp_path) as cache:
+    with Cache.open(tmp_path, max_open_shards=max_open) as cache:
         cache.entries()
 
         def work(offset: int) -> None:
@@ -268,3 +270,70 @@ def test_manifest_shard_list_comes_from_writer_infos(tmp_path: Path) -> None:
         assert cache.shard(shard_name(4)).meta == {"unit": 4}
         assert cache.shard(shard_name(4)).info() == info
         assert verify_cache(cache).ok
+
+
+def test_short_preads_are_continued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linux returns at most ~2 GiB per pread: a big sample must still come back whole."""
+    import dflash.shards.reader as reader
+
+    written = make_cache(tmp_path, [200], hidden=64)
+    real = os.pread
+    monkeypatch.setattr(reader.os, "pread", lambda fd, n, off: real(fd, min(n, 1000), off))
+    with Cache.open(tmp_path) as cache:
+        assert torch.equal(cache.read(0).hidden[3], written[0][1])
+        assert cache.shard(shard_name(0)).verify() == []
+
+
+def _zstd_raw(payload: bytes) -> bytes:
+    """A zstd frame built by hand (one raw block, single segment, content size): no compressor needed."""
+    assert len(payload) < 256
+    header = struct.pack("<IBB", 0xFD2FB528, 0x20, len(payload))
+    block = ((len(payload) << 3) | 1).to_bytes(3, "little")  # last block, type raw
+    return header + block + payload
+
+
+def _zstd_rle(byte: int, count: int) -> bytes:
+    header = struct.pack("<IBB", 0xFD2FB528, 0x20, count)
+    return header + ((count << 3) | (1 << 1) | 1).to_bytes(3, "little") + bytes([byte])  # last, RLE
+
+
+def _hand_built_shard(codec: dict, layer_frame: bytes, dtype: str, hidden: int) -> bytes:
+    ids, mask = struct.pack("<2i", 151643, -1), bytes([0, 1])
+    frames = [_zstd_raw(ids), _zstd_raw(mask), layer_frame]
+    pos, entries = 8, []
+    for f in frames:
+        entries.append([pos, len(f), xxhash.xxh3_64_hexdigest(f)])
+        pos += len(f)
+    index = {
+        "format": "dflash-shard",
+        "version": 1,
+        "codec": codec,
+        "layers": [5],
+        "dtype": dtype,
+        "hidden_size": hidden,
+        "meta": {},
+        "samples": [{"row": 42, "length": 2, "supervised": 1, "frames": entries}],
+    }
+    raw = json.dumps(index).encode()
+    footer = struct.pack("<QQQ", pos, len(raw), xxhash.xxh3_64_intdigest(raw)) + b"DFSFOOT1"
+    return b"DFSHARD1" + b"".join(frames) + raw + footer
+
+
+def test_reader_reads_a_shard_built_by_hand_from_the_spec(tmp_path: Path) -> None:
+    values = (torch.arange(16, dtype=torch.float32).reshape(2, 8) / 16 + 0.5).to(torch.bfloat16)  # [0.5, 1.5)
+    words = values.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    assert set((words >> 8).tolist()) == {0x3F}  # one high byte: an RLE zstd block of 16 x 0x3F
+    lo, hi = (words & 0xFF).astype(np.uint8).tobytes(), _zstd_rle(0x3F, 16)
+    lossless = struct.pack("<2I", 16, len(hi)) + lo + hi  # plane 0 raw (len == N), plane 1 zstd
+    path = tmp_path / shard_name(0)
+    path.write_bytes(_hand_built_shard({"name": "lossless", "level": 1}, lossless, "bfloat16", 8))
+    with ShardReader.open(path) as r:
+        s = r.read(0)
+        assert s.row == 42 and s.input_ids.tolist() == [151643, -1] and s.loss_mask.tolist() == [False, True]
+        assert torch.equal(s.hidden[5], values) and r.verify() == []
+    # fp8: scales (f32) then e4m3fn codes; 0x38 = 1.0, 0xB8 = -1.0, 0x7E = 448, 0x01 = 2^-9, 0x40 = 2.0
+    fp8 = _zstd_raw(struct.pack("<2f", 0.5, 2.0) + bytes([0x38, 0xB8, 0x00, 0x7E, 0x01, 0x40]))
+    path.write_bytes(_hand_built_shard({"name": "fp8", "level": 1}, fp8, "bfloat16", 3))
+    with ShardReader.open(path) as r:
+        expect = torch.tensor([[0.5, -0.5, 0.0], [896.0, 2.0**-8, 4.0]], dtype=torch.bfloat16)
+        assert torch.equal(r.read(0).hidden[5], expect)

@@ -65,6 +65,9 @@ def test_manifest_json_round_trip_and_atomic_save(tmp_path: Path) -> None:
         ('{"format": "dflash-cache", "version": 2}', "version 2 is not supported"),
         ('{"format": "dflash-cache", "version": 1, "layers": "1,2"}', "layers"),
         ('{"format": "dflash-cache", "version": 1, "shards": [{"name": "a"}]}', "malformed shard entry"),
+        ('{"format": "dflash-cache", "version": 1, "codec": "fp8"}', "'codec' must be an object"),
+        ('{"format": "dflash-cache", "version": 1, "skipped": [3]}', "'skipped' must be a list"),
+        ('{"format": "dflash-cache", "version": 1, "complete": "yes"}', "'complete' must be a bool"),
     ],
 )
 def test_bad_manifests_are_refused_with_the_path(tmp_path: Path, content: str, message: str) -> None:

@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from dflash.extract.target import check_layer_ids, default_layer_ids, load_target, read_target_info
 from dflash.extract.target_parts import FROZEN_NAME, read_frozen, write_target_parts
 from dflash.shards.errors import ShardError
+from safetensors import safe_open
+
 from tests.common.targets import KINDS, load_reference, make_target, reference_layer_outputs
 
 
@@ -61,8 +61,12 @@ def test_last_layer_is_raw_output_not_final_norm(targets: dict, kind: str) -> No
     with torch.inference_mode():
         hs = reference.model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
         layers = reference.model.layers
-        expected = layers[3](hs[3], position_embeddings=reference.model.rotary_emb(hs[3], torch.arange(7)[None]),
-                             attention_mask=None, position_ids=torch.arange(7)[None])
+        expected = layers[3](
+            hs[3],
+            position_embeddings=reference.model.rotary_emb(hs[3], torch.arange(7)[None]),
+            attention_mask=None,
+            position_ids=torch.arange(7)[None],
+        )
     expected = expected[0] if isinstance(expected, tuple) else expected
     assert (out[0] - expected[0]).abs().max() <= 1e-5
     assert (out[0] - hs[-1][0]).abs().max() > 1e-3  # hs[-1] is the final-norm output
@@ -73,7 +77,12 @@ def test_vlm_wrapped_qwen3_5_loads_text_only_with_checkpoint_weights(targets: di
 
     path = targets["qwen3_5"]
     info = read_target_info(path)
-    assert (info.model_type, info.text_model_type, info.num_layers, info.hidden_size) == ("qwen3_5", "qwen3_5_text", 4, 64)
+    assert (info.model_type, info.text_model_type, info.num_layers, info.hidden_size) == (
+        "qwen3_5",
+        "qwen3_5_text",
+        4,
+        64,
+    )
     target = load_target(path, [1])
     assert type(target.model).__name__ == "Qwen3_5ForCausalLM"
     assert len(target.decoder.layers) == 2
@@ -104,7 +113,7 @@ def test_bad_layer_ids_and_paths(targets: dict, tmp_path) -> None:
         load_target(targets["qwen3"], [4])
     with pytest.raises(ValueError, match="increasing"):
         check_layer_ids([2, 1], 4)
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         read_target_info(tmp_path)
 
 
@@ -115,7 +124,9 @@ def test_default_layer_ids_match_dflash_rule() -> None:
         default_layer_ids(36, 0)
 
 
-@pytest.mark.parametrize("kind,tie", [("qwen3", False), ("qwen3", True), ("qwen3_5", False), ("qwen3_5", True)])
+@pytest.mark.parametrize(
+    "kind,tie", [("qwen3", False), ("qwen3", True), ("qwen3_5", False), ("qwen3_5", True)]
+)
 def test_frozen_parts_from_checkpoint(tmp_path, kind: str, tie: bool) -> None:
     from safetensors.torch import load_file
 

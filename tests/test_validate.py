@@ -231,3 +231,16 @@ def test_supervised_counts_any_chunking(tmp_path_factory, n, chunk, max_len, mas
     assert dict(zip(report.rows.tolist(), report.supervised.tolist(), strict=True)) == {
         r: s for r, s in sup.items() if s > 0
     }
+
+
+def test_huge_valid_ids_pass_without_vocab_and_negatives_fail_with_it(tmp_path):
+    rows = rows_with(8)
+    rows[2][0][0] = 2**31 - 1  # largest int32: fine when no vocab is given
+    ds = open_dataset(write_arrow(rows, tmp_path / "a.arrow"))
+    assert validate(ds, vocab_size=None, max_len=100).num_rows == 8
+    rows[4][0][1] = -2
+    ds = open_dataset(write_arrow(rows, tmp_path / "b.arrow"))
+    with pytest.raises(
+        DatasetError, match=r"row 2 has token id 2147483647 outside \[0, 1000\).*\(also row 4\)"
+    ):
+        validate(ds, vocab_size=VOCAB, max_len=100)

@@ -12,6 +12,7 @@ drafter's mask token, as in real Qwen checkpoints (151669 of 151936).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -63,13 +64,19 @@ class TinySize:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}")
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
+            )
         if min(self.num_layers, self.train_chats, self.train_steps, self.batch_size) < 1:
             raise ValueError(f"layers, chats, steps and batch size must be >= 1, got {self}")
         if self.bpe_vocab < 300:
-            raise ValueError(f"bpe_vocab must be >= 300 (256 bytes + specials + merges), got {self.bpe_vocab}")
+            raise ValueError(
+                f"bpe_vocab must be >= 300 (256 bytes + specials + merges), got {self.bpe_vocab}"
+            )
 
 
 SIZES: dict[str, TinySize] = {
@@ -115,6 +122,7 @@ class TinyTargetInfo:
     first_loss: float
     final_loss: float
     train_seconds: float
+    train_cpu_seconds: float  # CPU time: what an idle box would take, whatever the load here
     build_seconds: float
 
 
@@ -180,14 +188,33 @@ def _model_config(size: TinySize, tokenizer):
 
 
 def _train(model, token_rows: list[list[int]], pad_id: int, size: TinySize, seed: int) -> tuple[float, float]:
-    """Next-token training on whole chats (right-padded batches); returns (first, final) smoothed loss."""
+    """Next-token training on whole chats; returns (first, final) smoothed loss.
+
+    Batches are drawn from length-sorted windows (little padding) and right-padded without an
+    attention mask: under a causal mask pad tokens at the end only see, never feed, real tokens.
+    """
     import torch
 
-    longest = max(len(r) for r in token_rows)
-    ids = torch.full((len(token_rows), longest), pad_id, dtype=torch.long)
-    for i, row in enumerate(token_rows):
-        ids[i, : len(row)] = torch.tensor(row)
-    lengths = torch.tensor([len(r) for r in token_rows])
+    generator = torch.Generator().manual_seed(seed)
+
+    def epoch_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # Shuffle, then sort by length within windows of 8 batches: batches stay mixed across tasks
+        # (all-one-length batches trained measurably worse) while padding stays small.
+        order = torch.randperm(len(token_rows), generator=generator).tolist()
+        window = 8 * size.batch_size
+        batches = []
+        for w in range(0, len(order), window):
+            group = sorted(order[w : w + window], key=lambda i: len(token_rows[i]))
+            batches += [group[i : i + size.batch_size] for i in range(0, len(group), size.batch_size)]
+        tensors = []
+        for b in torch.randperm(len(batches), generator=generator).tolist():
+            rows = [token_rows[i] for i in batches[b]]
+            ids = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
+            for j, row in enumerate(rows):
+                ids[j, : len(row)] = torch.tensor(row)
+            tensors.append((ids, ids.masked_fill(ids == pad_id, -100)))
+        return tensors
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, size.train_steps // 10)
 
@@ -198,33 +225,48 @@ def _train(model, token_rows: list[list[int]], pad_id: int, size: TinySize, seed
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(token_rows), generator=generator)
-    cursor, first, smoothed = 0, float("nan"), float("nan")
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    first = smoothed = float("nan")
     model.train()
     for step in range(size.train_steps):
-        if cursor + size.batch_size > len(order):
-            order, cursor = torch.randperm(len(token_rows), generator=generator), 0
-        batch = order[cursor : cursor + size.batch_size]
-        cursor += size.batch_size
-        width = int(lengths[batch].max())
-        input_ids = ids[batch, :width]
-        attention_mask = (torch.arange(width)[None, :] < lengths[batch, None]).long()
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        if not pending:
+            pending = epoch_batches()[::-1]
+        input_ids, labels = pending.pop()
+        loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         value = loss.item()
-        if step == 0:
-            first = smoothed = value
-        smoothed = 0.9 * smoothed + 0.1 * value
-        if step % 50 == 0 or step == size.train_steps - 1:
-            log.debug("tiny target step %d loss %.3f", step, value)
+        first = value if step == 0 else first
+        smoothed = value if step == 0 else 0.9 * smoothed + 0.1 * value
     model.eval()
     return first, smoothed
+
+
+@contextlib.contextmanager
+def _reproducible_torch():
+    """One CPU thread and deterministic kernels, restored afterwards.
+
+    One thread makes the weights independent of the core count, and on a shared 2-core box two
+    spinning OpenMP threads ran 27x slower than one (4.6 vs 0.17 s/step, measured). NaN-filling of
+    fresh tensors (on by default under deterministic mode) is turned off: it alone costs ~7x.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(was_deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
 
 
 def build_tiny_target(out_dir: str | Path, *, size: str | TinySize = "demo", seed: int = 0) -> TinyTargetInfo:
@@ -244,21 +286,12 @@ def build_tiny_target(out_dir: str | Path, *, size: str | TinySize = "demo", see
     texts = tokenizer.apply_chat_template(tiny_corpus.training_chats(spec.train_chats, seed), tokenize=False)
     token_rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    # Deterministic kernels, but without NaN-filling every fresh tensor (that alone costs ~7x on CPU).
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    was_filling = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = Qwen3ForCausalLM(config)
-            train_start = time.perf_counter()
-            first, final = _train(model, token_rows, tokenizer.pad_token_id, spec, seed)
-            train_seconds = time.perf_counter() - train_start
-    finally:
-        torch.use_deterministic_algorithms(was_deterministic)
-        torch.utils.deterministic.fill_uninitialized_memory = was_filling
+    with _reproducible_torch(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+        train_start, cpu_start = time.perf_counter(), time.process_time()
+        first, final = _train(model, token_rows, tokenizer.pad_token_id, spec, seed)
+        train_seconds, cpu_seconds = time.perf_counter() - train_start, time.process_time() - cpu_start
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.do_sample = False
@@ -273,6 +306,7 @@ def build_tiny_target(out_dir: str | Path, *, size: str | TinySize = "demo", see
         first_loss=round(first, 4),
         final_loss=round(final, 4),
         train_seconds=round(train_seconds, 2),
+        train_cpu_seconds=round(cpu_seconds, 2),
         build_seconds=round(time.perf_counter() - start, 2),
     )
     (out / "tiny_build.json").write_text(json.dumps(asdict(info), indent=2) + "\n")
@@ -292,7 +326,7 @@ def generate_completions(
     prompts: Sequence[Conversation],
     max_new_tokens: int,
     *,
-    batch_size: int = 64,
+    batch_size: int = 128,
 ) -> list[Conversation]:
     """The target answers each prompt greedily: returns each prompt plus its assistant turn.
 
@@ -313,9 +347,14 @@ def generate_completions(
     for begin in range(0, len(prompts), batch_size):
         chunk = [list(p) for p in prompts[begin : begin + batch_size]]
         enc = tokenizer.apply_chat_template(
-            chunk, add_generation_prompt=True, tokenize=True, padding=True, return_dict=True, return_tensors="pt"
+            chunk,
+            add_generation_prompt=True,
+            tokenize=True,
+            padding=True,
+            return_dict=True,
+            return_tensors="pt",
         )
-        with torch.inference_mode():
+        with _reproducible_torch(), torch.inference_mode():
             generated = model.generate(
                 input_ids=enc["input_ids"],
                 attention_mask=enc["attention_mask"],

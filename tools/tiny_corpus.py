@@ -64,7 +64,10 @@ def _count_down(rng: random.Random) -> tuple[str, str]:
     stop = rng.randint(0, 50)
     start = stop + rng.randint(5, 12)
     numbers = " ".join(str(i) for i in range(start, stop - 1, -1))
-    return f"Count down from {start} to {stop}.", f"Sure! Counting down from {start} to {stop}: {numbers}. Done."
+    return (
+        f"Count down from {start} to {stop}.",
+        f"Sure! Counting down from {start} to {stop}: {numbers}. Done.",
+    )
 
 
 def _letters(rng: random.Random) -> tuple[str, str]:
@@ -84,7 +87,10 @@ def _repeat(rng: random.Random) -> tuple[str, str]:
 
 def _capital(rng: random.Random) -> tuple[str, str]:
     country, city = rng.choice(_CAPITALS)
-    return f"What is the capital of {country}?", f"The capital of {country} is {city}. Is there anything else?"
+    return (
+        f"What is the capital of {country}?",
+        f"The capital of {country} is {city}. Is there anything else?",
+    )
 
 
 def _sound(rng: random.Random) -> tuple[str, str]:

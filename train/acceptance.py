@@ -24,8 +24,10 @@ import torch
 def accepted_lengths(preds: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Length of the longest prefix of drafted slots that match the labels (invalid slots end the prefix)."""
     if preds.shape != labels.shape or preds.shape != valid.shape:
-        raise ValueError(f"preds {tuple(preds.shape)}, labels {tuple(labels.shape)} and valid "
-                         f"{tuple(valid.shape)} must have the same shape")
+        raise ValueError(
+            f"preds {tuple(preds.shape)}, labels {tuple(labels.shape)} and valid "
+            f"{tuple(valid.shape)} must have the same shape"
+        )
     match = (preds == labels) & valid.bool()
     return match.long().cumprod(dim=-1).sum(dim=-1)
 
@@ -67,8 +69,10 @@ def decode_walk(accepted_at: torch.Tensor, loss_mask: torch.Tensor) -> list[int]
         while a + 1 < end:
             accepted = table[a]
             if accepted < 0:
-                raise ValueError(f"no drafter block was computed for anchor position {a}; "
-                                 "evaluate every eligible anchor before walking")
+                raise ValueError(
+                    f"no drafter block was computed for anchor position {a}; "
+                    "evaluate every eligible anchor before walking"
+                )
             accepted = min(accepted, end - a - 1)
             steps.append(accepted)
             a += accepted + 1

@@ -53,8 +53,9 @@ class PackedBatch:
         return int(self.features.shape[0])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
-        return PackedBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-                              for f in fields(self)})
+        return PackedBatch(
+            **{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)}
+        )
 
     def pin_memory(self) -> PackedBatch:
         return PackedBatch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
@@ -88,7 +89,9 @@ def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(m[:-1] & m[1:], as_tuple=False).flatten()
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Up to `num_anchors` distinct eligible positions, uniformly without replacement, sorted."""
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
@@ -111,7 +114,9 @@ def build_blocks(
     s = input_ids.shape[0]
     anchors = anchors.long()
     if anchors.numel() and (int(anchors.min()) < 0 or int(anchors.max()) >= s):
-        raise ValueError(f"anchors must lie in 0..{s - 1}, got min {int(anchors.min())} max {int(anchors.max())}")
+        raise ValueError(
+            f"anchors must lie in 0..{s - 1}, got min {int(anchors.min())} max {int(anchors.max())}"
+        )
     pos = anchors[:, None] + torch.arange(block_size)
     inside = pos < s
     safe = pos.clamp(max=s - 1)
@@ -126,11 +131,15 @@ def _features_of(seq: Any, layer_ids: Sequence[int] | None) -> list[torch.Tensor
     if isinstance(seq, SequenceInput) or (layer_ids is None and hasattr(seq, "features")):
         return [seq.features]
     if layer_ids is None:
-        raise ValueError("sequences carry `hidden` per layer: pass layer_ids (the drafter's target_layer_ids)")
+        raise ValueError(
+            "sequences carry `hidden` per layer: pass layer_ids (the drafter's target_layer_ids)"
+        )
     missing = [i for i in layer_ids if i not in seq.hidden]
     if missing:
-        raise ValueError(f"sequence lacks target layers {missing} (has {sorted(seq.hidden)}); "
-                         "the cache does not hold the layers this drafter needs")
+        raise ValueError(
+            f"sequence lacks target layers {missing} (has {sorted(seq.hidden)}); "
+            "the cache does not hold the layers this drafter needs"
+        )
     return [seq.hidden[i] for i in layer_ids]
 
 
@@ -167,8 +176,10 @@ def make_packed_batch(
         feats = _features_of(seq, layer_ids)
         s = ids.shape[0]
         if mask.shape[0] != s or any(f.shape[0] != s for f in feats):
-            raise ValueError(f"sequence {index}: input_ids ({s}), loss_mask ({mask.shape[0]}) and features "
-                             f"({[f.shape[0] for f in feats]}) disagree on length")
+            raise ValueError(
+                f"sequence {index}: input_ids ({s}), loss_mask ({mask.shape[0]}) and features "
+                f"({[f.shape[0] for f in feats]}) disagree on length"
+            )
         chosen = sample_anchors(mask, num_anchors, generator) if anchors is None else anchors[index].long()
         blk, lab, wt = build_blocks(ids, mask, chosen, block_size, mask_token_id, gamma)
         parts.append(feats)
@@ -185,7 +196,7 @@ def make_packed_batch(
         for f in feats:
             if col + f.shape[1] > width:
                 raise ValueError(f"feature widths differ between sequences (expected {width} in total)")
-            features[row:row + s, col:col + f.shape[1]] = f
+            features[row : row + s, col : col + f.shape[1]] = f
             col += f.shape[1]
         if col != width:
             raise ValueError(f"feature widths differ between sequences ({col} vs {width})")
@@ -202,5 +213,13 @@ def make_packed_batch(
         weights = torch.cat([weights, torch.zeros(pad, block_size)])
         anchor_pos = torch.cat([anchor_pos, torch.zeros(pad, dtype=torch.long)])
         block_seq = torch.cat([block_seq, torch.full((pad,), -1, dtype=torch.long)])
-    return PackedBatch(features=features, context_pos=context_pos, context_seq=context_seq, block_ids=block_ids,
-                       anchor_pos=anchor_pos, block_seq=block_seq, labels=labels, weights=weights)
+    return PackedBatch(
+        features=features,
+        context_pos=context_pos,
+        context_seq=context_seq,
+        block_ids=block_ids,
+        anchor_pos=anchor_pos,
+        block_seq=block_seq,
+        labels=labels,
+        weights=weights,
+    )

@@ -16,6 +16,7 @@ it is either complete or absent. Nothing here unpickles anything.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -27,6 +28,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from dflash.shards import Manifest, diff_manifests
+from dflash.shards.errors import ManifestMismatch
+from dflash.shards.manifest import PROVENANCE_FIELDS, canonical_json
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -186,8 +190,12 @@ def save_checkpoint(
     param_names: Sequence[str],
     loader_state: dict[str, Any],
     meta: dict[str, Any],
+    weights_only: bool = False,
 ) -> Path:
-    """Write a checkpoint directory at `final` (e.g. RUN/checkpoints/step_000100, RUN/best) atomically."""
+    """Write a checkpoint directory at `final` (e.g. RUN/checkpoints/step_000100) atomically.
+
+    `weights_only` writes model.safetensors + meta.json (RUN/best: exportable, not resumable).
+    """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -197,6 +205,10 @@ def save_checkpoint(
     try:
         weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+        _write_json(tmp / "meta.json", {**meta, "step": step, "weights_only": weights_only})
+        if weights_only:
+            _commit_dir(tmp, final)
+            return final
         opt_tensors, opt_structure = optimizer_to_flat(optimizer, param_names)
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         _write_json(tmp / "optimizer.json", opt_structure)
@@ -204,7 +216,6 @@ def save_checkpoint(
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
         _write_json(tmp / "rng.json", rng_scalars)
         _write_json(tmp / "loader.json", loader_state)
-        _write_json(tmp / "meta.json", {**meta, "step": step})
         _commit_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -255,6 +266,56 @@ def load_checkpoint(
     if restore_rng:
         rng_from_flat(read_tensors(ckpt / "rng.safetensors"), read_json(ckpt / "rng.json"))
     return read_json(ckpt / "meta.json"), read_json(ckpt / "loader.json")
+
+
+# --- resume checks -------------------------------------------------------------------------------------
+
+# Settings a resume may change: they do not alter the trajectory (or only extend it).
+RESUMABLE_KEYS = frozenset(
+    {
+        "cache",
+        "out",
+        "resume",
+        "device",
+        "eval_every",
+        "save_every",
+        "log_every",
+        "keep_checkpoints",
+        "tensorboard",
+        "plots",
+        "progress",
+        "loader_threads",
+        "prefetch_batches",
+        "max_steps",
+        "epochs",
+        "eval_samples",
+    }
+)
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    d = manifest.to_dict()
+    keep = {k: d[k] for k in PROVENANCE_FIELDS} | {
+        "shards": [(s["name"], s["index_checksum"]) for s in d["shards"]]
+    }
+    return hashlib.sha256(canonical_json(keep)).hexdigest()
+
+
+def check_resume(saved: dict[str, Any], cfg_flat: dict[str, Any], manifest: Manifest) -> None:
+    now = cfg_flat
+    changed = [
+        f"{k}: {saved['config'].get(k)!r} (checkpoint) != {now[k]!r}"
+        for k in sorted(now)
+        if k not in RESUMABLE_KEYS and saved["config"].get(k) != now[k]
+    ]
+    if changed:
+        raise ValueError(
+            f"--resume with settings that change the trajectory: {'; '.join(changed)}; "
+            "use the checkpoint's settings or start a new --out"
+        )
+    diffs = diff_manifests(saved["cache_provenance"], manifest.to_dict())
+    if diffs:
+        raise ManifestMismatch("--resume against a different cache", diffs)
 
 
 # --- finding and pruning -------------------------------------------------------------------------

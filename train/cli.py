@@ -23,11 +23,14 @@ PROG = "dflash-train"
 
 def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, argument_default=argparse.SUPPRESS,
+        prog=PROG,
+        argument_default=argparse.SUPPRESS,
         description="Train a DFlash drafter from a dflash-extract cache (export a run: dflash-train export -h).",
     )
     p.add_argument("--config", help="JSON/TOML file of flag names -> values (flags given here override it)")
-    p.add_argument("--preset", choices=("paper", "tiny"), help="starting point: the paper recipe (default) or tiny")
+    p.add_argument(
+        "--preset", choices=("paper", "tiny"), help="starting point: the paper recipe (default) or tiny"
+    )
     run = p.add_argument_group("run")
     run.add_argument("--cache", help="cache directory written by dflash-extract")
     run.add_argument("--out", help="run directory: checkpoints/, metrics.jsonl, plots/, export/")
@@ -37,7 +40,9 @@ def _train_parser() -> argparse.ArgumentParser:
     run.add_argument("--eval-every", type=int, help="evaluate every N steps (0: only never)")
     run.add_argument("--save-every", type=int, help="checkpoint every N steps (and at the end)")
     run.add_argument("--log-every", type=int, help="write metrics every N steps")
-    run.add_argument("--keep-checkpoints", type=int, help="keep the N newest step checkpoints (best/ is separate)")
+    run.add_argument(
+        "--keep-checkpoints", type=int, help="keep the N newest step checkpoints (best/ is separate)"
+    )
     run.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
     run.add_argument("--no-plots", dest="plots", action="store_false")
     run.add_argument("--no-progress", dest="progress", action="store_false")
@@ -47,13 +52,17 @@ def _train_parser() -> argparse.ArgumentParser:
     data.add_argument("--loader-threads", type=int, help="decompression threads")
     data.add_argument("--prefetch-batches", type=int, help="batches prepared ahead of the GPU")
     data.add_argument("--shuffle-window", type=int, help="samples in the shuffle buffer")
-    data.add_argument("--on-corrupt", choices=ON_CORRUPT_CHOICES, help="corrupt sample: skip (counted) or fail")
+    data.add_argument(
+        "--on-corrupt", choices=ON_CORRUPT_CHOICES, help="corrupt sample: skip (counted) or fail"
+    )
     data.add_argument("--eval-fraction", type=float, help="fraction of rows held out (hash of the row id)")
     data.add_argument("--eval-rows", help="file of row ids to hold out (JSON list or one per line)")
     data.add_argument("--eval-samples", type=int, help="held-out samples used per evaluation")
     model = p.add_argument_group("drafter")
     model.add_argument("--num-draft-layers", type=int)
-    model.add_argument("--target-layer-ids", help="comma-separated target layer ids (default: the DFlash rule)")
+    model.add_argument(
+        "--target-layer-ids", help="comma-separated target layer ids (default: the DFlash rule)"
+    )
     model.add_argument("--block-size", type=int)
     model.add_argument("--num-anchors", type=int, help="anchors sampled per sequence")
     model.add_argument("--gamma", type=float, help="loss decay over block positions (default by block size)")
@@ -66,14 +75,20 @@ def _train_parser() -> argparse.ArgumentParser:
     opt.add_argument("--grad-clip", type=float)
     opt.add_argument("--grad-accum", type=int)
     opt.add_argument("--epochs", type=int)
-    opt.add_argument("--max-steps", type=int, help="stop after N optimizer steps (also sets the schedule length)")
+    opt.add_argument(
+        "--max-steps", type=int, help="stop after N optimizer steps (also sets the schedule length)"
+    )
     return p
 
 
 def _export_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"{PROG} export", description="Export a run's checkpoint as an HF drafter dir.")
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} export", description="Export a run's checkpoint as an HF drafter dir."
+    )
     p.add_argument("run_dir", help="a dflash-train --out directory")
-    p.add_argument("--out", required=True, help="destination directory (config.json, model.safetensors, dflash.py)")
+    p.add_argument(
+        "--out", required=True, help="destination directory (config.json, model.safetensors, dflash.py)"
+    )
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     which.add_argument("--best", action="store_true", help="the best checkpoint by tau")
@@ -126,8 +141,10 @@ def main_impl(argv: Sequence[str] | None) -> int:
 
     result = train(cfg)
     if result.last_checkpoint is not None:
-        print(f"done: step {result.step}, checkpoint {result.last_checkpoint}"
-              + (f", best tau {result.best_tau:.3f}" if result.best_tau is not None else ""))
+        print(
+            f"done: step {result.step}, checkpoint {result.last_checkpoint}"
+            + (f", best tau {result.best_tau:.3f}" if result.best_tau is not None else "")
+        )
     return 0
 
 

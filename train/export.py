@@ -39,7 +39,10 @@ def hf_config_dict(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -
         "model_type": "qwen3",
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
-        "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "mask_token_id": config.mask_token_id},
+        "dflash_config": {
+            "target_layer_ids": list(config.target_layer_ids),
+            "mask_token_id": config.mask_token_id,
+        },
         "num_hidden_layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -87,7 +90,9 @@ def export_drafter(
         tensors[name] = value.detach().to(device="cpu", dtype=dtype).contiguous()
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        raise ValueError(f"state_dict does not match the drafter config: missing {missing[:5]}, extra {extra[:5]}")
+        raise ValueError(
+            f"state_dict does not match the drafter config: missing {missing[:5]}, extra {extra[:5]}"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(hf_config_dict(config, dtype), indent=2) + "\n"
@@ -100,8 +105,14 @@ def export_drafter(
 
 def _expected_names(config: DrafterConfig) -> set[str]:
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
-    per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
-                 *(f"self_attn.{p}_proj" for p in "qkvo"), *(f"mlp.{p}_proj" for p in ("gate", "up", "down"))]
+    per_layer = [
+        "input_layernorm",
+        "post_attention_layernorm",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        *(f"self_attn.{p}_proj" for p in "qkvo"),
+        *(f"mlp.{p}_proj" for p in ("gate", "up", "down")),
+    ]
     for i in range(config.num_hidden_layers):
         names.update(f"layers.{i}.{p}.weight" for p in per_layer)
     return names
@@ -116,7 +127,11 @@ def config_from_hf(raw: dict[str, Any], *, mask_token_id: int | None = None) -> 
         num_target_layers = int(raw["num_target_layers"])
         ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
         ids = list(ids) if ids is not None else default_target_layer_ids(num_target_layers, layers)
-        mask = mask_token_id if mask_token_id is not None else dflash.get("mask_token_id", raw.get("mask_token_id"))
+        mask = (
+            mask_token_id
+            if mask_token_id is not None
+            else dflash.get("mask_token_id", raw.get("mask_token_id"))
+        )
         if mask is None:
             raise ValueError("the drafter config has no dflash_config.mask_token_id; pass mask_token_id")
         theta, scaling = rope_settings(raw)
@@ -175,12 +190,16 @@ def load_drafter(
     expected = _expected_names(config)
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise ShardError(f"{weights_path}: weights do not match {config_path}: missing {missing[:5]}, "
-                         f"unexpected {extra[:5]}")
+        raise ShardError(
+            f"{weights_path}: weights do not match {config_path}: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
     model = DFlashDrafter(config)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise ShardError(f"{weights_path}: {str(exc).splitlines()[0]} ({str(exc).splitlines()[-1].strip()})") from None
+        raise ShardError(
+            f"{weights_path}: {str(exc).splitlines()[0]} ({str(exc).splitlines()[-1].strip()})"
+        ) from None
     target_dtype = dtype or next(iter(state.values())).dtype
     return model.to(device=device, dtype=target_dtype)

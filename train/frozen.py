@@ -29,11 +29,18 @@ LM_HEAD_KEY = "lm_head.weight"
 class FrozenTarget:
     """Plain tensors, not an nn.Module: wrappers (DDP/FSDP), optimizers and checkpoints never see them."""
 
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, config: dict[str, Any],
-                 mask_token_id: int | None = None):
+    def __init__(
+        self,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        config: dict[str, Any],
+        mask_token_id: int | None = None,
+    ):
         if embed_weight.ndim != 2 or embed_weight.shape != lm_head_weight.shape:
-            raise ValueError(f"embed {tuple(embed_weight.shape)} and lm_head {tuple(lm_head_weight.shape)} "
-                             "must both be [vocab, hidden]")
+            raise ValueError(
+                f"embed {tuple(embed_weight.shape)} and lm_head {tuple(lm_head_weight.shape)} "
+                "must both be [vocab, hidden]"
+            )
         self.embed_weight = embed_weight.detach().requires_grad_(False)
         self.lm_head_weight = lm_head_weight.detach().requires_grad_(False)
         self.config = config
@@ -59,8 +66,12 @@ class FrozenTarget:
         return hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> FrozenTarget:
-        return FrozenTarget(self.embed_weight.to(device=device, dtype=dtype),
-                            self.lm_head_weight.to(device=device, dtype=dtype), self.config, self.mask_token_id)
+        return FrozenTarget(
+            self.embed_weight.to(device=device, dtype=dtype),
+            self.lm_head_weight.to(device=device, dtype=dtype),
+            self.config,
+            self.mask_token_id,
+        )
 
 
 def _tokenizer_size(target_dir: Path) -> int | None:
@@ -117,8 +128,10 @@ def load_frozen_target(
     if mask_token_id is None:
         mask_token_id = default_mask_token_id(target_dir, vocab)
         if mask_token_id is None:
-            raise ValueError(f"no free embedding row for the mask token in {target_dir} (tokenizer fills the "
-                             f"{vocab}-row table or is absent); pass mask_token_id explicitly")
+            raise ValueError(
+                f"no free embedding row for the mask token in {target_dir} (tokenizer fills the "
+                f"{vocab}-row table or is absent); pass mask_token_id explicitly"
+            )
     elif not 0 <= mask_token_id < vocab:
         raise ValueError(f"mask_token_id {mask_token_id} outside the target vocabulary 0..{vocab - 1}")
     frozen = FrozenTarget(embed, head, config, mask_token_id)

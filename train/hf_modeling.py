@@ -20,10 +20,18 @@ from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
 
-def _rope_theta(config: Qwen3Config) -> float:
+def _rope_settings(config: Qwen3Config) -> tuple[float, float]:
+    """(theta, position scale) from transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
     params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or params
     theta = params.get("rope_theta") if isinstance(params, dict) else None
-    return float(theta if theta is not None else getattr(config, "rope_theta", 10000.0))
+    theta = float(theta if theta is not None else getattr(config, "rope_theta", 10000.0))
+    kind = (
+        scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
+    )
+    if kind not in ("default", "linear"):
+        raise ValueError(f"DFlash drafter: rope type {kind!r} is not supported (default or linear only)")
+    return theta, 1.0 / float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0
 
 
 class DFlashRMSNorm(nn.Module):
@@ -77,7 +85,9 @@ class DFlashAttention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=False, scale=d**-0.5)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, is_causal=False, scale=d**-0.5
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * d))
 
 
@@ -102,8 +112,9 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = DFlashMLP(config)
 
     def forward(self, hidden_states, target_hidden, cos, sin, attention_mask=None, past_key_values=None):
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), target_hidden, cos, sin,
-                                                       attention_mask, past_key_values)
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), target_hidden, cos, sin, attention_mask, past_key_values
+        )
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -123,8 +134,11 @@ class DFlashDraftModel(PreTrainedModel):
         super().__init__(config)
         dflash = dict(getattr(config, "dflash_config", None) or {})
         ids = dflash.get("target_layer_ids")
-        self.target_layer_ids = list(ids) if ids is not None else _default_layer_ids(
-            config.num_target_layers, config.num_hidden_layers)
+        self.target_layer_ids = (
+            list(ids)
+            if ids is not None
+            else _default_layer_ids(config.num_target_layers, config.num_hidden_layers)
+        )
         self.mask_token_id = dflash.get("mask_token_id")
         self.block_size = int(getattr(config, "block_size", 16))
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
@@ -143,13 +157,22 @@ class DFlashDraftModel(PreTrainedModel):
         # Computed per call (no buffer): nothing to go wrong when weights are materialized from a meta device.
         d = self.layers[0].self_attn.head_dim
         exponents = torch.arange(0, d, 2, dtype=torch.int64, device=position_ids.device).float() / d
-        inv_freq = 1.0 / (_rope_theta(self.config) ** exponents)
-        angles = position_ids.float()[..., None] * inv_freq
+        theta, position_scale = _rope_settings(self.config)
+        inv_freq = 1.0 / (theta**exponents)
+        angles = position_ids.float()[..., None] * position_scale * inv_freq
         emb = torch.cat([angles, angles], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, position_ids, attention_mask=None, noise_embedding=None, target_hidden=None,
-                past_key_values=None, use_cache=False, **kwargs):
+    def forward(
+        self,
+        position_ids,
+        attention_mask=None,
+        noise_embedding=None,
+        target_hidden=None,
+        past_key_values=None,
+        use_cache=False,
+        **kwargs,
+    ):
         hidden_states = noise_embedding
         target_hidden = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
         cos, sin = self._rope(position_ids, hidden_states.dtype)

@@ -21,14 +21,20 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from dflash.shards import Cache, ShardReader
-from dflash.shards.errors import ShardError
+from dflash.shards import Cache, ShardReader, target_fingerprint
+from dflash.shards.errors import ManifestMismatch, ShardError
 
 from .blocks import PackedBatch, make_packed_batch
+from .config import TrainConfig
 from .data_plan import SampleRef, ShardEntries, epoch_batches, group_for_ranks
+
+if TYPE_CHECKING:
+    from .frozen import FrozenTarget
+    from .model import DrafterConfig
 
 log = logging.getLogger(__name__)
 _ANCHOR_TAG = 0x414E
@@ -223,7 +229,8 @@ class StreamingLoader:
             result = fut.result()
             if isinstance(result, ShardError):
                 skipped += 1
-                self.corrupt_messages.append(str(result))
+                if len(self.corrupt_messages) < 100:
+                    self.corrupt_messages.append(str(result))
                 log.warning("skipping corrupt sample (row %d): %s", ref.row, result)
             else:
                 samples.append(result)
@@ -329,6 +336,7 @@ class StreamingLoader:
 
     def _copier(self, built: queue.Queue, out: queue.Queue, put, stop: threading.Event) -> None:
         """Host-to-device copies on a side stream, one batch ahead of the consumer."""
+        torch.cuda.set_device(self.device)  # a new thread starts on device 0
         stream = torch.cuda.Stream(device=self.device)
         try:
             while not stop.is_set():
@@ -349,3 +357,41 @@ class StreamingLoader:
                     return
         except BaseException as exc:
             put(out, exc)
+
+
+# --- what the run needs from the cache ---------------------------------------------------------------
+
+
+def resolve_layer_ids(cfg: TrainConfig, num_target_layers: int, cached: list[int]) -> tuple[int, ...]:
+    """Explicit ids, else the DFlash default rule; either way every id must be cached."""
+    if cfg.drafter.target_layer_ids is not None:
+        ids = cfg.drafter.target_layer_ids
+    else:
+        from .model import default_target_layer_ids
+
+        ids = tuple(default_target_layer_ids(num_target_layers, cfg.drafter.num_draft_layers))
+        missing = [i for i in ids if i not in cached]
+        if missing:
+            raise ValueError(
+                f"the default target_layer_ids {list(ids)} (a {num_target_layers}-layer target, "
+                f"{cfg.drafter.num_draft_layers} draft layers) are not all cached: the cache holds {cached}; "
+                "pass --target-layer-ids chosen from those"
+            )
+    check_layers(ids, cached)
+    return tuple(ids)
+
+
+def check_cache(cache: Cache, frozen: FrozenTarget, drafter_cfg: DrafterConfig) -> None:
+    """Refuse a cache whose provenance does not match the target files or the drafter's width."""
+    m = cache.manifest
+    problems = []
+    want_sha = m.target.get("config_sha256")
+    have_sha = target_fingerprint(frozen.config)
+    if want_sha and want_sha != have_sha:
+        problems.append(f"target.config_sha256: {want_sha} (manifest) != {have_sha} (target/config.json)")
+    if m.hidden_size != drafter_cfg.hidden_size:
+        problems.append(f"hidden_size: {m.hidden_size} (cache) != {drafter_cfg.hidden_size} (target config)")
+    if frozen.hidden_size != drafter_cfg.hidden_size:
+        problems.append(f"frozen embed width {frozen.hidden_size} != hidden_size {drafter_cfg.hidden_size}")
+    if problems:
+        raise ManifestMismatch(f"{cache.path}: cache does not match its target", problems)

@@ -31,9 +31,16 @@ if TYPE_CHECKING:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                row_weights: torch.Tensor, normalizer: torch.Tensor, chunk_rows: int,
-                need_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        row_weights: torch.Tensor,
+        normalizer: torch.Tensor,
+        chunk_rows: int,
+        need_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = hidden.shape[0]
         hidden_c = hidden.to(weight.dtype)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -81,13 +88,16 @@ def linear_cross_entropy(
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if hidden.ndim != 2 or lm_head_weight.ndim != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and lm_head {tuple(lm_head_weight.shape)} do not match")
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and lm_head {tuple(lm_head_weight.shape)} do not match"
+        )
     if normalizer is None:
         normalizer = weights.float().sum()
     norm = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp_min(1e-12)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    return _LinearCrossEntropy.apply(hidden, lm_head_weight.detach(), labels.long(), weights, norm,
-                                     chunk_rows, need_grad)
+    return _LinearCrossEntropy.apply(
+        hidden, lm_head_weight.detach(), labels.long(), weights, norm, chunk_rows, need_grad
+    )
 
 
 @dataclass(slots=True)
@@ -137,7 +147,9 @@ def drafter_loss(
     micro-batches) replaces this batch's weight sum so that summed losses equal the global mean."""
     if feature_noise_std > 0:
         noise = torch.randn(batch.features.shape, generator=generator, device=batch.features.device)
-        batch = _replace_features(batch, batch.features + (noise * feature_noise_std).to(batch.features.dtype))
+        batch = _replace_features(
+            batch, batch.features + (noise * feature_noise_std).to(batch.features.dtype)
+        )
     hidden = model(batch, frozen.embed(batch.block_ids), attn_mask)  # [N, B, H]
     n, b, h = hidden.shape
     # Slot 0 always has weight 0 (the anchor is given): never spend lm_head FLOPs on it.
@@ -145,8 +157,14 @@ def drafter_loss(
     labels = batch.labels[:, 1:].reshape(-1)
     weights = batch.weights[:, 1:].reshape(-1)
     weight_sum = weights.float().sum()
-    loss, preds = linear_cross_entropy(drafted, frozen.lm_head_weight, labels, weights, chunk_rows=chunk_rows,
-                                       normalizer=weight_sum if normalizer is None else normalizer)
+    loss, preds = linear_cross_entropy(
+        drafted,
+        frozen.lm_head_weight,
+        labels,
+        weights,
+        chunk_rows=chunk_rows,
+        normalizer=weight_sum if normalizer is None else normalizer,
+    )
     with torch.no_grad():
         preds = preds.view(n, b - 1)
         valid = batch.weights[:, 1:] > 0
@@ -159,9 +177,14 @@ def drafter_loss(
         ks = torch.arange(b, device=hidden.device)
         accept_at_least = (accepted[:, None] >= ks).float().sum(0)
         norm_used = weight_sum if normalizer is None else torch.as_tensor(normalizer, device=hidden.device)
-        stats = LossStats(loss_sum=loss.detach().float() * norm_used.float(), weight_sum=weight_sum,
-                          slot_correct=slot_correct, slot_valid=slot_valid, accept_at_least=accept_at_least,
-                          accept_len_sum=(accepted + 1).float().sum())
+        stats = LossStats(
+            loss_sum=loss.detach().float() * norm_used.float(),
+            weight_sum=weight_sum,
+            slot_correct=slot_correct,
+            slot_valid=slot_valid,
+            accept_at_least=accept_at_least,
+            accept_len_sum=(accepted + 1).float().sum(),
+        )
     return loss, stats
 
 

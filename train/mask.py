@@ -10,6 +10,7 @@ Public API (stable):
     DenseMask(allowed).attend(q, k, v, scale)               SDPA with a boolean mask
     FlexMask(block_mask).attend(q, k, v, scale)             FlexAttention (compiled on CUDA), no dense S x S
     build_attention_mask(batch, backend="auto") -> DenseMask | FlexMask   ("auto": flex on CUDA, dense elsewhere)
+    visible_pairs(batch) -> int                             allowed (query, key) pairs (for FLOP counts)
 q: [1, Hq, M, D], k/v: [1, Hkv, T+M, D] (GQA handled inside), output [1, Hq, M, D].
 """
 
@@ -36,15 +37,19 @@ def mask_mod_for(batch: PackedBatch) -> MaskMod:
     """The visibility rule as a FlexAttention mask_mod; also evaluated with broadcasting for the dense mask."""
     context_seq, context_pos = batch.context_seq, batch.context_pos
     block_seq, anchor_pos = batch.block_seq, batch.anchor_pos
-    t, b = int(context_seq.shape[0]), batch.block_size
+    b = batch.block_size
+    # A tensor, not a Python int: compiled kernels would bake an int in and recompile for every new length.
+    num_context = torch.tensor(int(context_seq.shape[0]), device=context_seq.device)
 
-    def mask_mod(_b: torch.Tensor, _h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    def mask_mod(
+        _b: torch.Tensor, _h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
         block = q_idx // b
         seq = block_seq[block]
-        ctx = kv_idx.clamp(max=t - 1)  # the index is only used where kv_idx < t
+        ctx = torch.minimum(kv_idx, num_context - 1)  # the index is only used where kv_idx < num_context
         sees_context = (context_seq[ctx] == seq) & (context_pos[ctx] < anchor_pos[block])
-        sees_slot = ((kv_idx - t) // b == block) & (seq >= 0)
-        return torch.where(kv_idx < t, sees_context, sees_slot)
+        sees_slot = ((kv_idx - num_context) // b == block) & (seq >= 0)
+        return torch.where(kv_idx < num_context, sees_context, sees_slot)
 
     return mask_mod
 
@@ -79,8 +84,9 @@ class DenseMask:
         return cls(allowed=allowed, empty_rows=empty)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
         return out.masked_fill(self.empty_rows[None, None, :, None], 0.0)
 
 
@@ -108,24 +114,37 @@ class FlexMask:
 
         m = batch.num_blocks * batch.block_size
         device = batch.block_seq.device
-        block_mask = create_block_mask(mask_mod_for(batch), B=None, H=None, Q_LEN=m,
-                                       KV_LEN=batch.num_context_tokens + m, device=device,
-                                       BLOCK_SIZE=block, _compile=device.type == "cuda")
+        block_mask = create_block_mask(
+            mask_mod_for(batch),
+            B=None,
+            H=None,
+            Q_LEN=m,
+            KV_LEN=batch.num_context_tokens + m,
+            device=device,
+            BLOCK_SIZE=block,
+            _compile=device.type == "cuda",
+        )
         return cls(block_mask=block_mask)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         fn = _flex_attention(q.device)
         return fn(q, k, v, block_mask=self.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
-    def density(self) -> float:
-        """Fraction of (query block, key block) tiles the kernel visits (1 - sparsity)."""
-        bm = self.block_mask
-        total = bm.kv_num_blocks.shape[-1] * (bm.seq_lengths[1] + bm.BLOCK_SIZE[1] - 1) // bm.BLOCK_SIZE[1]
-        visited = bm.kv_num_blocks.sum() + (bm.full_kv_num_blocks.sum() if bm.full_kv_num_blocks is not None else 0)
-        return float(visited) / float(total)
+    def tile_density(self) -> float:
+        """Fraction of (query tile, key tile) pairs the kernel visits (BlockMask.sparsity() is the rest)."""
+        return 1.0 - float(self.block_mask.sparsity()) / 100.0
 
 
-def build_attention_mask(batch: PackedBatch, backend: Literal["auto", "dense", "flex"] = "auto") -> DenseMask | FlexMask:
+def visible_pairs(batch: PackedBatch) -> int:
+    """Number of (query, key) pairs the rule allows, without building a mask: a block at anchor a sees the
+    a context tokens before it (its sequence starts at position 0) and its own B slots."""
+    real = batch.block_seq >= 0
+    return int(((batch.anchor_pos[real] + batch.block_size) * batch.block_size).sum())
+
+
+def build_attention_mask(
+    batch: PackedBatch, backend: Literal["auto", "dense", "flex"] = "auto"
+) -> DenseMask | FlexMask:
     """One mask per batch, shared by every layer and head."""
     if backend not in ("auto", "dense", "flex"):
         raise ValueError(f"attention backend must be 'auto', 'dense' or 'flex', got {backend!r}")

@@ -7,6 +7,8 @@ Public API (stable; other modules rely on it):
         .forward(batch: PackedBatch, block_embeds: Tensor[N, B, H], attn_mask=None) -> Tensor[N, B, H]
             (final-norm output; logits come from the frozen target lm_head, see `train/loss.py`)
         .fuse_features(features[T, K*H]) -> Tensor[T, H]
+    rope_settings(config_dict) -> (rope_theta, rope_scaling)     transformers 4.x and 5.x config layouts
+    flops_per_step(config, context_tokens, num_blocks, visible_pairs) -> dict   model FLOPs of a training step
 
 Single device, no distributed code (that lives in `parallelize.py`). Parameter names equal the exported
 checkpoint's names (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`, ...), so `state_dict()` is exported as is.
@@ -16,7 +18,7 @@ See /work/shared/DFLASH.md for the semantics this reproduces.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,8 +37,10 @@ def default_target_layer_ids(num_target_layers: int, k: int) -> list[int]:
     if k == 1:
         return [num_target_layers // 2]
     if num_target_layers < 4:
-        raise ValueError(f"the default layer rule needs L >= 4 target layers (got {num_target_layers}); "
-                         "pass target_layer_ids explicitly")
+        raise ValueError(
+            f"the default layer rule needs L >= 4 target layers (got {num_target_layers}); "
+            "pass target_layer_ids explicitly"
+        )
     span = num_target_layers - 4
     return [round(1 + i * span / (k - 1)) for i in range(k)]
 
@@ -83,30 +87,45 @@ class DrafterConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     initializer_range: float = 0.02
-    extra: dict[str, Any] = field(default_factory=dict)  # target keys carried into the export untouched
 
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "num_target_layers", "num_hidden_layers"):
+        for name in (
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "num_target_layers",
+            "num_hidden_layers",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"DrafterConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (an anchor plus at least one drafted slot), got {self.block_size}")
+            raise ValueError(
+                f"block_size must be >= 2 (an anchor plus at least one drafted slot), got {self.block_size}"
+            )
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
-            raise ValueError(f"target_layer_ids {bad} outside the target's layers 0..{self.num_target_layers - 1}")
+            raise ValueError(
+                f"target_layer_ids {bad} outside the target's layers 0..{self.num_target_layers - 1}"
+            )
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise ValueError(f"target_layer_ids has duplicates: {list(self.target_layer_ids)}")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}")
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}"
+            )
 
     @property
     def num_features(self) -> int:
@@ -138,10 +157,15 @@ class DrafterConfig:
                 vocab_size=int(text["vocab_size"]),
             )
         except KeyError as exc:
-            raise ValueError(f"target config lacks {exc.args[0]!r}; is it a decoder-only Qwen config?") from None
+            raise ValueError(
+                f"target config lacks {exc.args[0]!r}; is it a decoder-only Qwen config?"
+            ) from None
         theta, scaling = rope_settings(text)
-        ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
-            num_target_layers, num_hidden_layers)
+        ids = (
+            list(target_layer_ids)
+            if target_layer_ids is not None
+            else default_target_layer_ids(num_target_layers, num_hidden_layers)
+        )
         values.update(
             num_target_layers=num_target_layers,
             target_layer_ids=tuple(ids),
@@ -186,7 +210,9 @@ class RotaryEmbedding(nn.Module):
         scaling = config.rope_scaling or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind not in ("default", "linear"):
-            raise ValueError(f"rope_scaling type {kind!r} is not supported by the drafter; use rope_scaling=None")
+            raise ValueError(
+                f"rope_scaling type {kind!r} is not supported by the drafter; use rope_scaling=None"
+            )
         self.position_scale = 1.0 / float(scaling.get("factor", 1.0)) if kind == "linear" else 1.0
         dim = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -209,7 +235,11 @@ class Attention(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            d,
+        )
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
@@ -217,8 +247,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, rope_blocks: tuple[torch.Tensor, torch.Tensor],
-                rope_context: tuple[torch.Tensor, torch.Tensor], attn_mask: AttentionMask) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        rope_blocks: tuple[torch.Tensor, torch.Tensor],
+        rope_context: tuple[torch.Tensor, torch.Tensor],
+        attn_mask: AttentionMask,
+    ) -> torch.Tensor:
         """x: normed block tokens [M, H]; context: fused target features [T, H]. Returns [M, H]."""
         m, t, d = x.shape[0], context.shape[0], self.head_dim
         q = apply_rope(self.q_norm(self.q_proj(x).view(m, self.num_heads, d)), *rope_blocks)
@@ -229,6 +265,8 @@ class Attention(nn.Module):
         v_blk = self.v_proj(x).view(m, self.num_kv_heads, d)
         k = torch.cat([k_ctx, k_blk], dim=0).transpose(0, 1)[None]
         v = torch.cat([v_ctx, v_blk], dim=0).transpose(0, 1)[None]
+        # Under autocast the fp32 norm weights promote q/k to fp32 while v is bf16; kernels want one dtype.
+        q, k = q.to(v.dtype), k.to(v.dtype)
         out = attn_mask.attend(q.transpose(0, 1)[None], k, v, scale=d**-0.5)  # [1, heads, M, D]
         return self.o_proj(out[0].transpose(0, 1).reshape(m, self.num_heads * d))
 
@@ -253,8 +291,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, rope_blocks: tuple[torch.Tensor, torch.Tensor],
-                rope_context: tuple[torch.Tensor, torch.Tensor], attn_mask: AttentionMask) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        rope_blocks: tuple[torch.Tensor, torch.Tensor],
+        rope_context: tuple[torch.Tensor, torch.Tensor],
+        attn_mask: AttentionMask,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), context, rope_blocks, rope_context, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -283,10 +327,13 @@ class DFlashDrafter(nn.Module):
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
         """[T, K*H] concatenated target layers -> [T, H] context vectors shared by every layer."""
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        if not torch.is_autocast_enabled(features.device.type):  # autocast casts inside fc; no fp32 copy
+            features = features.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(features))
 
-    def forward(self, batch: PackedBatch, block_embeds: torch.Tensor,
-                attn_mask: AttentionMask | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: PackedBatch, block_embeds: torch.Tensor, attn_mask: AttentionMask | None = None
+    ) -> torch.Tensor:
         """Block hidden states [N, B, H] after the final norm, for the blocks of a packed batch.
 
         `block_embeds` = frozen target embedding of `batch.block_ids` ([N, B, H]); `attn_mask` defaults to
@@ -314,21 +361,30 @@ class DFlashDrafter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def flops_per_step(config: DrafterConfig, context_tokens: int, num_blocks: int, visible_keys: float) -> dict[str, float]:
-    """Forward matmul FLOPs (2 per multiply-add) of one packed step; backward counted as 2x forward.
+def flops_per_step(
+    config: DrafterConfig, context_tokens: int, num_blocks: int, visible_pairs: int
+) -> dict[str, float]:
+    """Model FLOPs of one training step (2 per multiply-add), counting only work the math requires.
 
-    `visible_keys` = mean number of keys a query attends to (mask density x key count), so the attention
-    term counts only the work a block-sparse kernel has to do. The frozen lm_head's loss counts forward
-    logits plus one grad-input matmul (no weight grad).
+    Drafter matmuls: forward + 2x backward (grad input, grad weight); `fc` has no grad input (the features
+    are data): 2x. Attention: QK^T and PV over the `visible_pairs` the mask allows (a block-sparse kernel
+    skips the rest), 3x. Frozen lm_head: logits + grad input, 2x, for the B-1 drafted slots (slot 0 is
+    never projected). Norms, RoPE, softmax and elementwise work are not counted.
     """
-    h, d, m = config.hidden_size, config.head_dim, num_blocks * config.block_size
-    hq, hkv, i = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
-    per_layer = (2 * m * h * (hq + 2 * hkv) + 2 * context_tokens * h * 2 * hkv + 2 * m * hq * h
-                 + 2 * m * h * i * 3 + 4 * m * visible_keys * hq)
+    h, d, b = config.hidden_size, config.head_dim, config.block_size
+    m = num_blocks * b
+    hq, hkv = config.num_attention_heads * d, config.num_key_value_heads * d
+    proj_block = 2 * m * h * (hq + 2 * hkv) + 2 * m * hq * h + 2 * m * h * config.intermediate_size * 3
+    proj_context = 2 * context_tokens * h * 2 * hkv
+    attention = 4 * visible_pairs * hq
     fc = 2 * context_tokens * config.num_features * h * h
-    drafter_fwd = config.num_hidden_layers * per_layer + fc
-    lm_head = 2 * m * h * config.vocab_size
-    total = 3 * drafter_fwd + 2 * lm_head
-    return {"drafter_forward": drafter_fwd, "lm_head_forward": lm_head, "total": total,
-            "attention_fraction": config.num_hidden_layers * 4 * m * visible_keys * hq * 3 / total}
-
+    layers = config.num_hidden_layers
+    lm_head = 2 * num_blocks * (b - 1) * h * config.vocab_size
+    parts = {
+        "projections": 3.0 * layers * (proj_block + proj_context),
+        "attention": 3.0 * layers * attention,
+        "fc": 2.0 * fc,
+        "lm_head": 2.0 * lm_head,
+    }
+    parts["total"] = sum(parts.values())
+    return parts

@@ -16,11 +16,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
-
-from dflash.shards import Manifest, ShardReader, ShardWriter, encode_sample, get_codec, save_manifest, shard_name
+from dflash.shards import (
+    Manifest,
+    ShardReader,
+    ShardWriter,
+    encode_sample,
+    get_codec,
+    save_manifest,
+    shard_name,
+)
 from dflash.shards.manifest import target_info
 from dflash.shards.writer import ShardMeta
+from safetensors.torch import save_file
 
 TINY_TARGET: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -49,9 +56,13 @@ def _write_target(target_dir: Path, config: dict[str, Any], seed: int) -> None:
     (target_dir / "config.json").write_text(json.dumps(config, indent=1))
     g = torch.Generator().manual_seed(seed)
     v, h = config["vocab_size"], config["hidden_size"]
-    save_file({"embed_tokens.weight": torch.randn(v, h, generator=g).to(torch.bfloat16),
-               "lm_head.weight": (torch.randn(v, h, generator=g) / h**0.5).to(torch.bfloat16)},
-              str(target_dir / "frozen.safetensors"))
+    save_file(
+        {
+            "embed_tokens.weight": torch.randn(v, h, generator=g).to(torch.bfloat16),
+            "lm_head.weight": (torch.randn(v, h, generator=g) / h**0.5).to(torch.bfloat16),
+        },
+        str(target_dir / "frozen.safetensors"),
+    )
     vocab = {f"t{i}": i for i in range(TOKENIZER_SIZE)}
     Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0")).save(str(target_dir / "tokenizer.json"))
 
@@ -75,7 +86,9 @@ def write_fake_cache(
     config = dict(TINY_TARGET if target is None else target)
     h, vocab = config["hidden_size"], TOKENIZER_SIZE
     rng = np.random.default_rng(seed)
-    successor = rng.permutation(vocab - 3) + 3  # a fixed "language": token t is usually followed by successor[t]
+    successor = (
+        rng.permutation(vocab - 3) + 3
+    )  # a fixed "language": token t is usually followed by successor[t]
     projections = [rng.standard_normal((vocab, h)).astype(np.float32) for _ in layers]
     codec_obj = get_codec(codec)
     meta = ShardMeta(codec=codec_obj, layers=list(layers), hidden_size=h, dtype="bfloat16")
@@ -100,9 +113,16 @@ def write_fake_cache(
             infos.append(writer.commit())
     _write_target(root / "target", config, seed)
     manifest = Manifest(
-        complete=True, target=target_info(config, "tiny-fake-target"), layers=list(layers), dtype="bfloat16",
-        hidden_size=h, codec=codec_obj.to_dict(), dataset={"name": "fake", "rows": num_samples, "seed": seed},
-        options={"max_length": max_len}, plan={"samples_per_shard": samples_per_shard}, shards=infos,
+        complete=True,
+        target=target_info(config, "tiny-fake-target"),
+        layers=list(layers),
+        dtype="bfloat16",
+        hidden_size=h,
+        codec=codec_obj.to_dict(),
+        dataset={"name": "fake", "rows": num_samples, "seed": seed},
+        options={"max_length": max_len},
+        plan={"samples_per_shard": samples_per_shard},
+        shards=infos,
     )
     save_manifest(root, manifest)
     return root

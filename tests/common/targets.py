@@ -55,7 +55,11 @@ def _build(kind: str, num_layers: int, tie: bool) -> torch.nn.Module:
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         cfg = Qwen3NextConfig(
-            **common, **_LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            **common,
+            **_LINEAR,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
         )
         return Qwen3NextForCausalLM(cfg)
@@ -70,8 +74,14 @@ def _build(kind: str, num_layers: int, tie: bool) -> torch.nn.Module:
 
         text = dict(common, **_LINEAR)  # tie_word_embeddings kept in both places, as released configs do
         vision = dict(
-            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN,
-            patch_size=4, spatial_merge_size=2, temporal_patch_size=1,
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=HIDDEN,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=1,
         )
         cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
         return Qwen3_5ForConditionalGeneration(cfg)
@@ -120,7 +130,9 @@ def load_reference(path: str | Path) -> torch.nn.Module:
 
 
 @torch.inference_mode()
-def reference_layer_outputs(model: torch.nn.Module, input_ids: torch.Tensor, layer_ids: list[int]) -> list[torch.Tensor]:
+def reference_layer_outputs(
+    model: torch.nn.Module, input_ids: torch.Tensor, layer_ids: list[int]
+) -> list[torch.Tensor]:
     """Outputs of decoder layers `layer_ids` for ONE unpadded row [S] -> K tensors [S, H].
 
     Uses output_hidden_states of a plain forward: entry i+1 is layer i's output except for the last

@@ -1,0 +1,393 @@
+"""`dflash-train` end to end on one GPU: a cache written here, the loader alone, then real training.
+
+    python bench/bench_train.py [--quick] [--json out.json]          # Qwen3-8B-shaped drafter on CUDA
+    python bench/bench_train.py --tiny --device cpu                   # exercises every code path on a CPU
+
+Per codec (lossless, fp8):
+1. write a synthetic cache with the shards writer (LLM-like features: log-normal channel scales, massive
+   channels; windows of a per-layer pool so writing is fast), target config Qwen3-8B, random frozen
+   embed/lm_head; fp8 quantized on the GPU as the extractor does;
+2. the loader alone (decode -> blocks -> pin -> H2D on the side stream, no model) for several thread
+   counts: the ceiling of the data path in sequence tokens/s;
+3. `train()` for ~`--train-seconds` with the loader at `--train-threads`: tokens/s and data-wait fraction
+   from metrics.jsonl (first windows skipped: compilation), time to the first optimizer step, peak GPU
+   memory, achieved TFLOP/s (`model.flops_per_step` on the loader phase's batch statistics).
+"Threads needed" = fewest loader threads whose ceiling is >= 1.5x what training consumed.
+The cache sits in the page cache (it is smaller than RAM), so disk read speed is not what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash.shards import (
+    Manifest,
+    ShardWriter,
+    encode_sample,
+    get_codec,
+    quantize_fp8,
+    save_manifest,
+    shard_name,
+)
+from dflash.shards.manifest import target_info
+from dflash.shards.writer import ShardMeta
+from dflash.train import trainer as trainer_mod
+from dflash.train.config import paper_recipe
+from dflash.train.loader import StreamingLoader
+from dflash.train.mask import visible_pairs
+from dflash.train.metrics import read_metrics
+from dflash.train.model import DrafterConfig, default_target_layer_ids, flops_per_step
+
+from tests.common.synth import llm_like_layers
+
+QWEN3_8B: dict[str, Any] = dict(
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+    num_hidden_layers=36,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    tie_word_embeddings=False,
+)
+TINY: dict[str, Any] = dict(
+    QWEN3_8B,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+    num_hidden_layers=8,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+class _StopBench(Exception):
+    pass
+
+
+def write_cache(
+    root: Path,
+    target: dict[str, Any],
+    *,
+    codec_name: str,
+    samples: int,
+    min_len: int,
+    max_len: int,
+    per_shard: int,
+    device: torch.device,
+    threads: int,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """A complete cache; returns write stats."""
+    h, vocab = target["hidden_size"], target["vocab_size"]
+    layers = default_target_layer_ids(target["num_hidden_layers"], 5)
+    rng = np.random.default_rng(seed)
+    pool_len = 2 * max_len
+    pool = llm_like_layers(pool_len, h, len(layers), seed=seed)  # each sample is a random window of it
+    codec = get_codec(codec_name)
+    meta = ShardMeta(codec=codec, layers=layers, hidden_size=h, dtype="bfloat16")
+    lengths = rng.integers(min_len, max_len + 1, size=samples)
+    starts = rng.integers(0, pool_len - max_len, size=samples)
+
+    def encode(row: int) -> Any:
+        s, a = int(lengths[row]), int(starts[row])
+        ids = np.random.default_rng(row).integers(0, min(vocab, 151643), size=s)
+        mask = np.ones(s, np.uint8)
+        mask[: s // 5] = 0
+        feats = [x[a : a + s] for x in pool]
+        if codec_name == "fp8":
+            feats = [quantize_fp8(f.to(device)) for f in feats]
+        return encode_sample(codec, row, ids, mask, feats)
+
+    t0 = time.perf_counter()
+    infos, raw = [], 0
+    with ThreadPoolExecutor(threads) as ex:
+        for unit, start in enumerate(range(0, samples, per_shard)):
+            with ShardWriter(root / "shards" / shard_name(unit), meta) as w:
+                for enc in ex.map(encode, range(start, min(start + per_shard, samples))):
+                    w.append(enc)
+                    raw += enc.length * h * 2 * len(layers)
+                infos.append(w.commit())
+    write_s = time.perf_counter() - t0
+    tdir = root / "target"
+    tdir.mkdir(parents=True, exist_ok=True)
+    (tdir / "config.json").write_text(json.dumps(target))
+    g = torch.Generator(device=device).manual_seed(seed)
+    from safetensors.torch import save_file
+
+    save_file(
+        {
+            k: (torch.randn(vocab, h, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
+            for k in ("embed_tokens.weight", "lm_head.weight")
+        },
+        str(tdir / "frozen.safetensors"),
+    )
+    save_manifest(
+        root,
+        Manifest(
+            complete=True,
+            target=target_info(target, "synthetic"),
+            layers=layers,
+            hidden_size=h,
+            codec=codec.to_dict(),
+            dataset={"name": "synthetic"},
+            options={},
+            plan={},
+            shards=infos,
+        ),
+    )
+    stored = sum(i.bytes for i in infos)
+    return {
+        "samples": samples,
+        "tokens": int(lengths.sum()),
+        "raw_gb": raw / 1e9,
+        "stored_gb": stored / 1e9,
+        "ratio": raw / stored,
+        "write_s": write_s,
+        "write_raw_gbps": raw / 1e9 / write_s,
+    }
+
+
+def loader_ceiling(
+    cfg: Any, drafter: DrafterConfig, device: torch.device, threads: int, seconds: float
+) -> dict:
+    """Loader alone (no model): sequence tokens/s delivered on the device, plus batch statistics."""
+    from dflash.shards import Cache
+
+    loader = StreamingLoader(
+        Cache.open(cfg.cache),
+        layer_ids=drafter.target_layer_ids,
+        block_size=cfg.drafter.block_size,
+        mask_token_id=drafter.mask_token_id,
+        num_anchors=cfg.drafter.num_anchors,
+        gamma=cfg.drafter.loss_gamma,
+        token_budget=cfg.data.token_budget,
+        max_length=cfg.data.max_length,
+        shuffle_window=cfg.data.shuffle_window,
+        loader_threads=threads,
+        prefetch_batches=max(cfg.data.prefetch_batches, 2 * threads),
+        on_corrupt="fail",
+        heldout_fraction=cfg.data.eval_fraction,
+        seed=cfg.seed,
+        epochs=1000,
+        device=device,
+    )
+    tokens = batches = 0
+    stats = {"context": 0, "blocks": 0, "pairs": 0}
+    t0 = time.perf_counter()
+    first = None
+    gen = loader.iterate()
+    for loaded, _ in gen:
+        batch = loaded.wait()
+        if first is None:
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()  # the steady state excludes the pipeline fill
+            continue
+        tokens += loaded.tokens
+        batches += 1
+        stats["context"] += batch.num_context_tokens
+        stats["blocks"] += int((batch.block_seq >= 0).sum())
+        stats["pairs"] += visible_pairs(batch)
+        if time.perf_counter() - t0 > seconds:
+            break
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    gen.close()
+    n = max(batches, 1)
+    return {
+        "threads": threads,
+        "tokens_per_s": tokens / elapsed,
+        "batches_per_s": batches / elapsed,
+        "first_batch_s": first,
+        "mean_context": stats["context"] / n,
+        "mean_blocks": stats["blocks"] / n,
+        "mean_visible_keys": stats["pairs"] / max(stats["blocks"] * drafter.block_size, 1),
+    }
+
+
+def train_phase(cfg: Any, seconds: float) -> dict[str, Any]:
+    """`train()` until `seconds` after its first step; checkpoint writes are skipped (they are not the loop)."""
+    marks: dict[str, float] = {}
+    real_lr_at, real_save = trainer_mod.lr_at, trainer_mod.ckpt.save_checkpoint
+    device = torch.device(
+        cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+
+    def lr_at(step: int, **kw: Any) -> float:
+        now = time.perf_counter()
+        if "first_step" not in marks:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            marks["first_step"] = time.perf_counter() - marks["start"]
+        elif now - marks["start"] - marks["first_step"] > seconds:
+            raise _StopBench
+        return real_lr_at(step, **kw)
+
+    trainer_mod.lr_at = lr_at
+    trainer_mod.ckpt.save_checkpoint = lambda final, *a, **k: Path(final)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    marks["start"] = time.perf_counter()
+    try:
+        trainer_mod.train(cfg)
+    except _StopBench:
+        pass
+    finally:
+        trainer_mod.lr_at, trainer_mod.ckpt.save_checkpoint = real_lr_at, real_save
+    records = [r for r in read_metrics(cfg.out) if "tokens_per_s" in r]
+    steady = records[len(records) // 4 :] or records  # the first windows include compilation
+    return {
+        "time_to_first_step_s": marks.get("first_step"),
+        "steps": records[-1]["step"] if records else 0,
+        "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in steady])) if steady else 0.0,
+        "data_wait_frac": float(np.mean([r["data_wait_frac"] for r in steady])) if steady else 1.0,
+        "final_loss": records[-1]["loss"] if records else None,
+        "peak_gpu_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny target and cache (CPU smoke run)")
+    p.add_argument("--quick", action="store_true", help="shorter phases and a smaller cache")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--codecs", default="lossless,fp8")
+    p.add_argument("--samples", type=int, default=None)
+    p.add_argument("--threads-sweep", default="1,2,4,8")
+    p.add_argument("--train-threads", type=int, default=8)
+    p.add_argument("--train-seconds", type=float, default=None)
+    p.add_argument("--loader-seconds", type=float, default=None)
+    p.add_argument("--token-budget", type=int, default=None)
+    p.add_argument("--workdir", default=None, help="where caches and runs go (default: a temp dir, removed)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    target = TINY if args.tiny else QWEN3_8B
+    samples = args.samples or (48 if args.tiny else (160 if args.quick else 320))
+    min_len, max_len = (100, 200) if args.tiny else (1450, 3072)
+    train_s = args.train_seconds or (3.0 if args.tiny else (30.0 if args.quick else 60.0))
+    loader_s = args.loader_seconds or (1.0 if args.tiny else (5.0 if args.quick else 10.0))
+    budget = args.token_budget or (512 if args.tiny else 8192)
+    threads_sweep = [int(t) for t in args.threads_sweep.split(",")]
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_train_"))
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "target": "tiny" if args.tiny else "Qwen3-8B",
+        "codecs": {},
+    }
+    try:
+        for codec in args.codecs.split(","):
+            cache = work / f"cache_{codec}"
+            shutil.rmtree(cache, ignore_errors=True)
+            written = write_cache(
+                cache,
+                target,
+                codec_name=codec,
+                samples=samples,
+                min_len=min_len,
+                max_len=max_len,
+                per_shard=32,
+                device=device,
+                threads=16,
+            )
+            overrides = dict(
+                device=device.type,
+                token_budget=budget,
+                max_length=max_len,
+                eval_every=0,
+                save_every=0,
+                log_every=1 if args.tiny else 10,
+                progress=False,
+                tensorboard=False,
+                plots=False,
+                mask_token_id=target["vocab_size"] - 1,  # the synthetic target has no tokenizer
+                loader_threads=args.train_threads,
+                eval_fraction=0.0,
+                epochs=1000,
+            )
+            if args.tiny:
+                overrides.update(num_draft_layers=2, num_anchors=32)
+            cfg = paper_recipe(str(cache), str(work / f"run_{codec}"), **overrides)
+            drafter = DrafterConfig.from_target_config(
+                target,
+                mask_token_id=target["vocab_size"] - 1,
+                num_hidden_layers=cfg.drafter.num_draft_layers,
+                block_size=cfg.drafter.block_size,
+                target_layer_ids=None,
+            )
+            ceilings = [loader_ceiling(cfg, drafter, device, t, loader_s) for t in threads_sweep]
+            shutil.rmtree(cfg.out, ignore_errors=True)
+            trained = train_phase(cfg, train_s)
+            stats = max(ceilings, key=lambda c: c["threads"])
+            flops = flops_per_step(
+                drafter, round(stats["mean_context"]), round(stats["mean_blocks"]), stats["mean_visible_keys"]
+            )["total"]
+            steps_per_s = trained["tokens_per_s"] / max(stats["mean_context"], 1)
+            consumed = trained["tokens_per_s"]
+            enough = [c["threads"] for c in ceilings if c["tokens_per_s"] >= 1.5 * consumed]
+            results["codecs"][codec] = {
+                "cache": written,
+                "loader": ceilings,
+                "train": trained,
+                "achieved_tflops": flops * steps_per_s / 1e12,
+                "loader_threads_needed": min(enough) if enough else None,
+                "loader_ceiling_multiple": max(c["tokens_per_s"] for c in ceilings) / max(consumed, 1e-9),
+            }
+            if not args.workdir:
+                shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    _print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def _print_table(results: dict[str, Any]) -> None:
+    print(f"device: {results['device']}, target: {results['target']}")
+    for codec, r in results["codecs"].items():
+        c, t = r["cache"], r["train"]
+        print(
+            f"\n[{codec}] cache {c['samples']} samples / {c['tokens']} tokens, {c['stored_gb']:.2f} GB stored "
+            f"(ratio {c['ratio']:.2f}x), written at {c['write_raw_gbps']:.2f} GB/s raw"
+        )
+        print(
+            "  loader alone: "
+            + ", ".join(f"{x['threads']}t {x['tokens_per_s']:,.0f} tok/s" for x in r["loader"])
+        )
+        print(
+            f"  train: {t['tokens_per_s']:,.0f} tok/s, data wait {100 * t['data_wait_frac']:.2f}%, "
+            f"{r['achieved_tflops']:.1f} TFLOP/s, first step {t['time_to_first_step_s']:.1f} s, "
+            f"peak {t['peak_gpu_gb'] or 0:.1f} GiB, {t['steps']} steps, loss {t['final_loss']}"
+        )
+        print(
+            f"  loader ceiling {r['loader_ceiling_multiple']:.1f}x consumption; threads needed "
+            f"(>= 1.5x): {r['loader_threads_needed']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""SIGKILL an extraction at random moments, resume it each time: the result equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from dflash.extract.pipeline import run_extraction
+from dflash.shards.manifest import load_manifest
+from dflash.shards.reader import Cache, ShardReader
+from dflash.shards.verify import verify_cache
+
+from tests.common.extract import Launcher, make_config, shard_bytes, tiny_rows, write_dataset
+from tests.common.targets import make_target
+
+UNIT_BYTES = 6 << 10  # ~20 shards for this dataset: kills land inside and between shard commits
+DELAY_S = 0.03  # per batch, so a run lasts long enough for kills to land mid-run
+
+
+def committed_shards_are_whole(cache: Path) -> None:
+    for p in (cache / "shards").glob("shard-*.dfs"):
+        with ShardReader.open(p) as reader:
+            assert reader.verify() == [], p
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("resume")
+    target = make_target(root, "qwen3")
+    dataset = write_dataset(root, tiny_rows(160, seed=3, max_len=48), rows_per_batch=50)
+    reference = root / "reference"
+    result = run_extraction(make_config(target, dataset, reference, unit_bytes=UNIT_BYTES, token_budget=128))
+    assert result.complete and result.units_total >= 10
+    return {"root": root, "target": target, "dataset": dataset, "reference": reference}
+
+
+def test_sigkill_at_random_moments_then_resume(setup: dict) -> None:
+    rng = random.Random(1234)
+    out = setup["root"] / "killed"
+    log = str(setup["root"] / "children.log")
+    spec = {
+        "target": str(setup["target"]),
+        "dataset": str(setup["dataset"]),
+        "out": str(out),
+        "unit_bytes": UNIT_BYTES,
+        "token_budget": 128,
+        "json": True,
+    }
+    launcher = Launcher()
+    try:
+        # How long a whole run takes, to spread the kills over all of it (startup, units, finalize).
+        t = time.monotonic()
+        probe = launcher.run({**spec, "out": str(setup["root"] / "probe")}, delay=DELAY_S, log=log)
+        assert launcher.wait(probe) == 0, Path(log).read_text()[-3000:]
+        full_run = time.monotonic() - t
+
+        kills, attempts = 0, 0
+        while kills < 10:
+            attempts += 1
+            assert attempts <= 25, f"only {kills} kills landed before completion in {attempts} attempts"
+            pid = launcher.run(spec, delay=DELAY_S, log=log)
+            time.sleep(rng.uniform(0.0, full_run))
+            code = launcher.poll(pid)
+            if code is not None:  # finished before the kill: start a fresh cache, try again
+                assert code == 0, Path(log).read_text()[-3000:]
+                shutil.rmtree(out)
+                continue
+            os.kill(pid, signal.SIGKILL)
+            assert launcher.wait(pid) == -signal.SIGKILL
+            kills += 1
+            if (out / "shards").is_dir():
+                committed_shards_are_whole(out)
+
+        pid = launcher.run(spec, log=log)
+        assert launcher.wait(pid) == 0, Path(log).read_text()[-3000:]
+    finally:
+        launcher.close()
+    assert load_manifest(out).complete
+    assert shard_bytes(out) == shard_bytes(setup["reference"])  # same samples, same content, same order
+    assert not [p for p in (out / "shards").iterdir() if p.name.startswith(".")]
+    with Cache.open(out) as cache:
+        report = verify_cache(cache, dataset_rows=160)
+        assert report.ok, report.lines()
+    assert load_manifest(out).to_dict() == load_manifest(setup["reference"]).to_dict()

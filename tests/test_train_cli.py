@@ -1,0 +1,113 @@
+"""`dflash-train` flags, config files, presets, one-line errors, and `dflash-train export`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from dflash.train import cli
+from dflash.train.config import TrainConfig, config_from_flat, paper_recipe
+from dflash.train.export import load_drafter
+from dflash.train.metrics import read_metrics
+
+from tests.common.fake_cache import write_fake_cache
+
+
+def test_paper_recipe_defaults() -> None:
+    cfg = paper_recipe("c", "o")
+    assert (cfg.optim.lr, cfg.optim.warmup_frac, cfg.optim.grad_clip, cfg.optim.epochs) == (
+        6e-4,
+        0.04,
+        1.0,
+        6,
+    )
+    assert (cfg.drafter.num_draft_layers, cfg.drafter.block_size, cfg.drafter.num_anchors) == (5, 16, 512)
+    assert cfg.drafter.loss_gamma == 7.0 and cfg.data.max_length == 3072 and cfg.data.on_corrupt == "fail"
+    assert config_from_flat(cfg.to_flat()) == cfg  # flat round trip (what meta.json stores)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_config_file_keys_mirror_flags_and_flags_win(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"run{suffix}"
+    if suffix == ".json":
+        path.write_text(
+            json.dumps(
+                {
+                    "cache": "C",
+                    "out": "O",
+                    "token-budget": 4096,
+                    "max_length": 2048,
+                    "lr": 1e-3,
+                    "target_layer_ids": [1, 2],
+                }
+            )
+        )
+    else:
+        path.write_text(
+            'cache = "C"\nout = "O"\ntoken-budget = 4096\nmax_length = 2048\nlr = 1e-3\n'
+            "target_layer_ids = [1, 2]\n"
+        )
+    cfg = cli.build_config(["--config", str(path), "--lr", "2e-4", "--target-layer-ids", "3,5"])
+    assert isinstance(cfg, TrainConfig)
+    assert (cfg.cache, cfg.out, cfg.data.token_budget, cfg.data.max_length) == ("C", "O", 4096, 2048)
+    assert cfg.optim.lr == 2e-4 and cfg.drafter.target_layer_ids == (3, 5)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cache", "C"], "out is required"),
+        (["--cache", "C", "--out", "O", "--lr", "-1"], "lr=-1.0: must be a positive number"),
+        (["--cache", "C", "--out", "O", "--token-budget", "100", "--max-length", "200"], "token_budget=100"),
+        (["--cache", "C", "--out", "O", "--target-layer-ids", "1,x"], "target_layer_ids='1,x'"),
+        (["--cache", "C", "--out", "O", "--eval-fraction", "1.5"], "eval_fraction=1.5"),
+        (["--cache", "/nonexistent/cache", "--out", "O"], "no manifest"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(argv: list[str], message: str, capsys, tmp_path: Path) -> None:
+    argv = [a if a != "O" else str(tmp_path / "o") for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dflash-train: error:") and message in err and "\n" not in err
+
+
+def test_unknown_config_key(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"cache": "C", "out": "O", "learning_rate": 1}))
+    assert cli.main(["--config", str(path)]) == 2
+    assert "unknown config key 'learning_rate'" in capsys.readouterr().err
+
+
+def test_train_then_export_any_checkpoint(tmp_path: Path, capsys) -> None:
+    cache = write_fake_cache(tmp_path / "cache", num_samples=30, samples_per_shard=10)
+    run = tmp_path / "run"
+    argv = [
+        "--preset",
+        "tiny",
+        "--cache",
+        str(cache),
+        "--out",
+        str(run),
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+        "--eval-every",
+        "2",
+        "--no-tensorboard",
+        "--no-plots",
+        "--target-layer-ids",
+        "1,3",
+        "--num-draft-layers",
+        "2",
+    ]
+    assert cli.main(argv) == 0
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "e2"), "--step", "2"]) == 0
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "best"), "--best"]) == 0
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "latest")]) == 0
+    drafter = load_drafter(tmp_path / "e2")
+    assert drafter.config.target_layer_ids == (1, 3) and drafter.config.num_hidden_layers == 2
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "e9"), "--step", "9"]) == 2
+    assert "no checkpoint for step 9" in capsys.readouterr().err

@@ -1,0 +1,89 @@
+"""Two CPU processes (torchrun + gloo): each rank trains on its own share; together they see every sample once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from dflash.train import checkpoint as ckpt
+from dflash.train.data_plan import heldout_mask
+from dflash.train.metrics import read_metrics
+
+from tests.common.fake_cache import write_fake_cache
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Records the rows each rank trains on (batches with loss_scale 0 are fillers, not training), then trains.
+_RECORDER = textwrap.dedent("""
+    import json, os, sys
+    from dflash.train import loader
+    original = loader.StreamingLoader.iterate
+    def iterate(self):
+        out = open(os.path.join(os.environ["ROWS_DIR"], f"rows_rank{self.rank}.jsonl"), "a")
+        for batch, state in original(self):
+            out.write(json.dumps({"epoch": batch.epoch, "rows": batch.rows, "scale": batch.loss_scale}) + "\\n")
+            out.flush()
+            yield batch, state
+    loader.StreamingLoader.iterate = iterate
+    from dflash.train.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_two_gloo_ranks_split_each_epoch(tmp_path: Path) -> None:
+    cache = write_fake_cache(tmp_path / "cache", num_samples=50, samples_per_shard=10)
+    run, rows_dir = tmp_path / "run", tmp_path / "rows"
+    rows_dir.mkdir()
+    script = tmp_path / "recorder.py"
+    script.write_text(_RECORDER)
+    env = {**os.environ, "ROWS_DIR": str(rows_dir), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        "--preset",
+        "tiny",
+        "--cache",
+        str(cache),
+        "--out",
+        str(run),
+        "--epochs",
+        "2",
+        "--eval-every",
+        "3",
+        "--save-every",
+        "3",
+        "--no-tensorboard",
+        "--no-plots",
+        "--device",
+        "cpu",
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    per_rank = [
+        [json.loads(line) for line in (rows_dir / f"rows_rank{r}.jsonl").read_text().splitlines()]
+        for r in (0, 1)
+    ]
+    assert len(per_rank[0]) == len(per_rank[1])  # the same number of steps on both ranks
+    rows = np.arange(50)
+    expected = set(rows[~heldout_mask(rows, 0.2)].tolist())
+    for epoch in (0, 1):
+        seen = Counter(r for batches in per_rank for b in batches if b["epoch"] == epoch for r in b["rows"])
+        assert set(seen) == expected and set(seen.values()) == {1}
+    # Training completed: metrics from rank 0 only, a final checkpoint, an evaluation.
+    records = read_metrics(run)
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)) and steps[-1] == len(per_rank[0])
+    assert any("tau" in r for r in records)
+    assert ckpt.latest_checkpoint(run).name == f"step_{steps[-1]:06d}"

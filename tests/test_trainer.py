@@ -1,0 +1,169 @@
+"""End-to-end training on a tiny cache: logs, evaluation, checkpoints, export, exact resume after kill -9."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from dflash.shards.errors import ManifestMismatch
+from dflash.train import checkpoint as ckpt
+from dflash.train.config import lr_at, tiny_debug
+from dflash.train.export import load_drafter
+from dflash.train.metrics import read_metrics
+from dflash.train.trainer import train
+
+from tests.common.fake_cache import write_fake_cache
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return write_fake_cache(tmp_path_factory.mktemp("cache"), num_samples=40, samples_per_shard=10)
+
+
+def test_lr_schedule_warmup_then_cosine() -> None:
+    lrs = [lr_at(s, base_lr=1.0, warmup_steps=4, total_steps=20, min_lr_frac=0.1) for s in range(24)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in itertools.pairwise(lrs[4:]))
+    assert lrs[-1] == pytest.approx(0.1) and lrs[20] == pytest.approx(0.1)
+
+
+def test_run_logs_evaluates_checkpoints_and_exports(cache_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cfg = tiny_debug(
+        str(cache_dir), str(run), max_steps=8, eval_every=4, save_every=4, log_every=2, keep_checkpoints=1
+    )
+    result = train(cfg)
+    assert result.step == 8
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [2, 4, 6, 8]
+    for r in records:
+        assert {"step", "loss", "lr", "tokens_per_s", "data_wait_frac", "epoch"} <= set(r)
+        assert r["loss"] > 0 and 0 <= r["data_wait_frac"] <= 1
+    evals = [r for r in records if "tau" in r]
+    assert [r["step"] for r in evals] == [4, 8]
+    assert all(
+        1.0 <= r["tau"] <= cfg.drafter.block_size and len(r["acceptance_per_position"]) == 3 for r in evals
+    )
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [8]  # keep_checkpoints=1 pruned step 4
+    meta = ckpt.read_json(run / "checkpoints" / "step_000008" / "meta.json")
+    assert meta["step"] == 8 and meta["config"]["lr"] == cfg.optim.lr and len(meta["manifest_sha256"]) == 64
+    assert (run / "best" / "meta.json").is_file()
+    drafter = load_drafter(run / "export")
+    assert drafter.config.target_layer_ids == (2,) and drafter.config.mask_token_id == 90
+    assert {p.name for p in (run / "plots").iterdir()} >= {"loss.png", "tau.png", "acceptance.png"}
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+    # A second run into the same directory must not silently overwrite it.
+    with pytest.raises(ValueError, match="--resume"):
+        train(cfg)
+    # Resuming with a setting that changes the trajectory names it.
+    with pytest.raises(ValueError, match=r"lr: 0\.001 \(checkpoint\) != 0\.002"):
+        train(tiny_debug(str(cache_dir), str(run), lr=2e-3, resume=True, max_steps=9, keep_checkpoints=1))
+
+
+def test_resume_against_another_cache_is_refused(cache_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(tiny_debug(str(cache_dir), str(run), max_steps=2, eval_every=0, tensorboard=False, plots=False))
+    other = write_fake_cache(tmp_path / "other", num_samples=40, samples_per_shard=10, codec="fp8")
+    with pytest.raises(ManifestMismatch, match="codec"):
+        train(tiny_debug(str(other), str(run), max_steps=4, resume=True, eval_every=0))
+
+
+def test_default_layer_ids_must_be_cached(tmp_path: Path) -> None:
+    cache = write_fake_cache(tmp_path / "c", num_samples=8, layers=(0, 1, 3))
+    with pytest.raises(ValueError, match=r"default target_layer_ids \[2\].*cache holds \[0, 1, 3\]"):
+        train(tiny_debug(str(cache), str(tmp_path / "run"), max_steps=1))
+
+
+_KILLER = textwrap.dedent("""
+    import os, signal, sys
+    from dflash.train import metrics
+    kill_at = int(os.environ["KILL_AT_STEP"])
+    original = metrics.MetricsLogger.log
+    def log(self, record):
+        original(self, record)
+        if record["step"] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    metrics.MetricsLogger.log = log
+    from dflash.train.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_kill9_then_resume_reproduces_the_losses_exactly(cache_dir: Path, tmp_path: Path) -> None:
+    flags = [
+        "--preset",
+        "tiny",
+        "--cache",
+        str(cache_dir),
+        "--max-steps",
+        "14",
+        "--save-every",
+        "5",
+        "--eval-every",
+        "7",
+        "--log-every",
+        "1",
+        "--no-tensorboard",
+        "--no-plots",
+        "--grad-accum",
+        "2",
+        "--epochs",
+        "10",
+    ]
+    reference = tmp_path / "reference"
+    train(
+        tiny_debug(
+            str(cache_dir),
+            str(reference),
+            max_steps=14,
+            save_every=5,
+            eval_every=7,
+            log_every=1,
+            tensorboard=False,
+            plots=False,
+            grad_accum=2,
+            epochs=10,
+        )
+    )
+    run = tmp_path / "run"
+    env = {**os.environ, "KILL_AT_STEP": "8", "PYTHONPATH": str(REPO)}
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLER, *flags, "--out", str(run)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(run)][-1] == 8  # it died after step 8, checkpoint at 5
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [5]
+    resumed = subprocess.run(
+        [sys.executable, "-m", "dflash.train.cli", *flags, "--out", str(run), "--resume"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    def trajectory(path: Path) -> list[tuple]:
+        return [
+            (r["step"], r["loss"], r["lr"], r["grad_norm"], r.get("tau"), r.get("eval_loss"))
+            for r in read_metrics(path)
+        ]
+
+    expected = trajectory(reference)
+    assert [s for s, *_ in expected] == list(range(1, 15))
+    assert trajectory(run) == expected  # bit for bit, including the steps redone after the kill
+    assert json.loads((run / "checkpoints" / "step_000014" / "loader.json").read_text()) == json.loads(
+        (reference / "checkpoints" / "step_000014" / "loader.json").read_text()
+    )

@@ -115,3 +115,15 @@ def test_mismatched_model_is_refused(tmp_path: Path) -> None:
     (path / "rng.json").unlink()
     with pytest.raises(ValueError, match=r"missing rng\.json"):
         ckpt.load_checkpoint(path, model=model, optimizer=opt, param_names=names)
+
+
+def test_interrupted_saves_are_cleaned_or_restored(tmp_path: Path) -> None:
+    model, opt, names = _model_and_optimizer()
+    path = _save(tmp_path, 10, model, opt, names)
+    (tmp_path / "checkpoints" / ".step_000020.tmp-999").mkdir()  # killed while writing
+    path.rename(path.with_name(".step_000010.old"))  # killed between the two renames of a replacement
+    assert ckpt.list_checkpoints(tmp_path) == []
+    actions = ckpt.clean_interrupted_saves(tmp_path)
+    assert len(actions) == 2
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [10]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000010"]

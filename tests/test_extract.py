@@ -82,6 +82,25 @@ def test_cache_equals_unpadded_hf_forward(tmp_path: Path, dataset: Path, rows: l
                 assert diff <= 1e-5, f"{kind} row {row} layer {layer}: max abs diff {diff}"
 
 
+def test_vlm_wrapped_qwen3_5_target(tmp_path: Path, dataset: Path) -> None:
+    """The VLM-wrapped qwen3_5 checkpoint: text-only extraction, frozen parts from model.language_model.*."""
+    from safetensors.torch import load_file
+
+    target = make_target(tmp_path, "qwen3_5")
+    result = run_extraction(make_config(target, dataset, tmp_path / "cache", layers=[1]))
+    assert result.complete
+    stored = load_file(str(target / "model.safetensors"))
+    with safe_open(tmp_path / "cache" / "target" / "frozen.safetensors", framework="pt") as f:
+        embed = f.get_tensor("embed_tokens.weight")
+    assert torch.equal(embed, stored["model.language_model.embed_tokens.weight"].to(torch.bfloat16))
+    with Cache.open(tmp_path / "cache") as cache:
+        assert cache.manifest.target["model_type"] == "qwen3_5" and cache.manifest.hidden_size == 64
+        reference = load_reference(target)
+        sample = cache.read(cache.entries()[0].row)
+        (expected,) = reference_layer_outputs(reference, sample.input_ids, [1])
+        assert (sample.hidden[1] - expected).abs().max() <= 1e-5
+
+
 def test_fp8_cache_close_to_reference(tmp_path: Path, dataset: Path, qwen3: Path) -> None:
     result = run_extraction(make_config(qwen3, dataset, tmp_path / "cache", codec="fp8"))
     assert result.complete and result.ratio > 3.5  # vs fp32: 4 bytes -> ~1 byte + scales, then zstd

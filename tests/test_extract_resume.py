@@ -59,7 +59,8 @@ def test_sigkill_at_random_moments_then_resume(setup: dict) -> None:
         assert launcher.wait(probe) == 0, Path(log).read_text()[-3000:]
         full_run = time.monotonic() - t
 
-        kills, attempts = 0, 0
+        kills, attempts, mid_run = 0, 0, 0
+        total = len(list((setup["reference"] / "shards").iterdir()))
         while kills < 10:
             attempts += 1
             assert attempts <= 25, f"only {kills} kills landed before completion in {attempts} attempts"
@@ -75,6 +76,11 @@ def test_sigkill_at_random_moments_then_resume(setup: dict) -> None:
             kills += 1
             if (out / "shards").is_dir():
                 committed_shards_are_whole(out)
+                done = len(list((out / "shards").glob("shard-*.dfs")))
+                mid_run += 0 < done < total
+
+        # The kills hit real work, not only start-up or the final manifest write.
+        assert mid_run >= 3, f"only {mid_run} of {kills} kills landed between the first and the last shard"
 
         pid = launcher.run(spec, log=log)
         assert launcher.wait(pid) == 0, Path(log).read_text()[-3000:]

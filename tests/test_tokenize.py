@@ -375,3 +375,56 @@ def test_cli_bad_inputs_give_one_line_errors(tmp_path, toks, case, message):
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("dflash-tokenize: error:") and message in err
     assert not (tmp_path / "o").exists()
+
+
+def test_folder_gzip_and_bom_inputs(tmp_path, toks):
+    import gzip
+
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", [{"messages": GOOD[0]}])
+    with gzip.open(folder / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"messages": GOOD[1]}) + "\n")
+    (folder / "c.jsonl").write_text("\ufeff" + json.dumps({"messages": GOOD[2]}) + "\r\n\n", encoding="utf-8")
+    (folder / "notes.txt").write_text("ignored")
+    summary, rows = run(tmp_path, folder, toks["markers"])
+    assert summary["rows_out"] == 3 and summary["skipped"] == {}
+    single, single_rows = run(tmp_path, folder / "c.jsonl", toks["markers"], name="single")
+    assert single["rows_out"] == 1 and rows[2]["input_ids"] == single_rows[0]["input_ids"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failed_run_leaves_no_partial_output(tmp_path, toks, monkeypatch, existing):
+    from dflash.tools import chat_tokenize
+
+    data = write_jsonl(tmp_path / "m.jsonl", [{"messages": c} for c in GOOD * 4])
+    out = tmp_path / "out"
+    if existing:
+        run(tmp_path, data, toks["markers"])
+        before = sorted(p.name for p in out.iterdir())
+    calls = {"n": 0}
+    original = chat_tokenize.ConversationEncoder.__call__
+
+    def crash_on_second_batch(self, values):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return original(self, values)
+
+    monkeypatch.setattr(chat_tokenize.ConversationEncoder, "__call__", crash_on_second_batch)
+    with pytest.raises(OSError, match="No space"):
+        tokenize_chats(
+            TokenizeConfig(
+                data=str(data), tokenizer=str(toks["markers"]), out=str(out), batch_size=3, overwrite=True
+            )
+        )
+    assert calls["n"] == 2
+    # Nothing half-written: no scratch or staging dirs, and an old dataset (if any) is untouched.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    if existing:
+        assert sorted(p.name for p in out.iterdir()) == before
+        import datasets
+
+        assert len(datasets.load_from_disk(str(out))) == len(GOOD) * 4
+    else:
+        assert not out.exists()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from dflash.train import cli
 from dflash.train.config import TrainConfig, config_from_flat, paper_recipe
 from dflash.train.export import load_drafter
 from dflash.train.metrics import read_metrics
 
-from tests.common.fake_cache import write_fake_cache
+from tests.common.fake_cache import corrupt_sample, write_fake_cache
 
 
 def test_paper_recipe_defaults() -> None:
@@ -111,3 +112,21 @@ def test_train_then_export_any_checkpoint(tmp_path: Path, capsys) -> None:
     assert drafter.config.target_layer_ids == (1, 3) and drafter.config.num_hidden_layers == 2
     assert cli.main(["export", str(run), "--out", str(tmp_path / "e9"), "--step", "9"]) == 2
     assert "no checkpoint for step 9" in capsys.readouterr().err
+
+
+def test_corrupt_sample_is_skipped_and_reported_or_fails(tmp_path: Path, capsys) -> None:
+    from dflash.shards import ShardReader
+    from dflash.train.data_plan import heldout_mask
+
+    cache = write_fake_cache(tmp_path / "cache", num_samples=30, samples_per_shard=10)
+    with ShardReader.open(cache / "shards" / "shard-000000.dfs") as reader:
+        index = next(i for i, e in enumerate(reader.entries) if not heldout_mask(np.array([e.row]), 0.2)[0])
+    corrupt_sample(cache, "shard-000000.dfs", index, frame=4)  # layer 2: the tiny preset's default layer
+    base = ["--preset", "tiny", "--cache", str(cache), "--no-tensorboard", "--no-plots", "--eval-every", "0"]
+    assert cli.main([*base, "--out", str(tmp_path / "skip"), "--on-corrupt", "skip"]) == 0
+    records = read_metrics(tmp_path / "skip")
+    assert records[-1]["skipped_samples"] == 2  # once per epoch, never trained on
+    capsys.readouterr()
+    assert cli.main([*base, "--out", str(tmp_path / "fail")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "checksum mismatch" in err and "--on-corrupt skip" in err and "\n" not in err

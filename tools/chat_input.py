@@ -93,8 +93,8 @@ def _choose_key(available: set[str], fmt: str, where: str) -> str:
 
 def _open_text(path: Path) -> io.TextIOBase:
     if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    return path.open("r", encoding="utf-8", errors="replace")
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors="replace")
+    return path.open("r", encoding="utf-8-sig", errors="replace")  # -sig: drop a leading BOM
 
 
 def _peek_json_keys(files: list[Path]) -> set[str]:

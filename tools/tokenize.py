@@ -149,6 +149,7 @@ def tokenize_chats(cfg: TokenizeConfig) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = out.parent / f".{out.name}.scratch-{os.getpid()}"
     staged_out = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    retired = out.parent / f".{out.name}.old-{os.getpid()}"
     try:
         source = open_chat_source(cfg.data, cfg.format, scratch)
         if len(source.dataset) == 0:
@@ -189,12 +190,13 @@ def tokenize_chats(cfg: TokenizeConfig) -> dict:
         kept.save_to_disk(str(staged_out))
         summary["seconds"] = round(time.perf_counter() - start, 2)
         (staged_out / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n")
+        # Swap in the new dataset; an old one (--overwrite) is removed only once the new one is in place.
         if out.exists():
-            shutil.rmtree(out)
+            out.rename(retired)
         staged_out.rename(out)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        shutil.rmtree(staged_out, ignore_errors=True)
+        for path in (scratch, staged_out, retired):
+            shutil.rmtree(path, ignore_errors=True)
     return summary
 
 

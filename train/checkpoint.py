@@ -334,6 +334,29 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def clean_interrupted_saves(run_dir: str | Path) -> list[str]:
+    """After a crash: drop half-written temp dirs, restore a checkpoint caught mid-replacement."""
+    run_dir = Path(run_dir)
+    actions = []
+    for root in (run_dir / CHECKPOINT_DIR, run_dir):
+        if not root.is_dir():
+            continue
+        for child in root.iterdir():
+            if not child.name.startswith("."):
+                continue
+            if ".tmp-" in child.name and child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+                actions.append(f"removed {child}")
+            elif child.name.endswith(".old") and child.is_dir():
+                final = child.with_name(child.name[1 : -len(".old")])
+                if final.exists():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    os.rename(child, final)
+                    actions.append(f"restored {final}")
+    return actions
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None

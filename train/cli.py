@@ -37,7 +37,7 @@ def _train_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     run.add_argument("--seed", type=int)
     run.add_argument("--device", choices=DEVICE_CHOICES)
-    run.add_argument("--eval-every", type=int, help="evaluate every N steps (0: only never)")
+    run.add_argument("--eval-every", type=int, help="evaluate every N steps and at the end (0: never)")
     run.add_argument("--save-every", type=int, help="checkpoint every N steps (and at the end)")
     run.add_argument("--log-every", type=int, help="write metrics every N steps")
     run.add_argument(

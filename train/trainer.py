@@ -58,6 +58,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     # --- process group, run directory, seeds --------------------------------------------------------
     info: DistInfo = init_distributed(cfg.device)
     run_dir = Path(cfg.out)
+    if info.is_main:
+        for action in ckpt.clean_interrupted_saves(run_dir):
+            log.warning("interrupted checkpoint write: %s", action)
+    barrier(info)
     resume_from = ckpt.latest_checkpoint(run_dir) if cfg.resume else None
     if cfg.resume and resume_from is None:
         log.warning("--resume: %s holds no checkpoint yet; starting from scratch", run_dir)
@@ -141,6 +145,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         progress=cfg.progress,
     )
     if info.is_main:
+        # For people to read; checkpoints' meta.json is what a resume trusts.
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_flat(), indent=1) + "\n")
         logger.write(
             f"dflash-train: {model.num_parameters() / 1e6:.1f}M drafter params, layers {list(layer_ids)}, "
             f"{cache.manifest.rows} cached rows, ~{total_steps} steps, world {info.world_size}, "

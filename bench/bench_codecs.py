@@ -22,15 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common.synth import llm_like_layers, relative_error
-from dflash.shards.codecs import LosslessCodec, get_codec, quantize_fp8, zstd_compress
+from dflash.shards.codecs import LosslessCodec, get_codec, quantize_fp8
 
 
 class _AlwaysZstd(LosslessCodec):
     """Ablation: no 64 KiB probe, every plane goes through zstd (still stored raw if it grew)."""
 
-    def _encode_plane(self, plane):
-        packed = zstd_compress(plane, self.level)
-        return packed if len(packed) < plane.size else memoryview(plane)
+    probe = False
 
 
 def _best_time(fn: Callable[[], object], repeat: int) -> float:

@@ -18,8 +18,8 @@ their ratio (target >= 0.90), GPU wait fraction (CUDA events; target <= 5%), sto
 compression ratio vs raw bf16, CPU cores used (process CPU time / wall).
 
 Default rows keep each phase around 30-60 s on an H200 AND the lossless cache under ~30 GB (the
-bench box has 64 GB of disk; the 8B shape writes ~1 GB/s): 8B 600 rows (~1.1 M tokens), 27B 300 rows
-(~0.55 M tokens). With more disk, raise --rows for longer phases.
+bench box has 64 GB of disk; the 8B shape writes ~1 GB/s): 8B 500 rows (~0.9 M tokens, ~30 s per phase),
+27B 300 rows (~0.55 M tokens, ~60 s per phase). Each cache is deleted after its phase. With more disk, raise --rows for longer phases.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pyarrow as pa
 import torch
 from dflash.extract.config import ExtractConfig
 from dflash.extract.dataset import open_dataset
-from dflash.extract.gather import GatherBuffers, gather
+from dflash.extract.gather import gather
 from dflash.extract.pipeline import run_extraction
 from dflash.extract.plan import plan_batches
 from dflash.extract.target import CapturingTarget
@@ -51,7 +51,7 @@ ARCHS = {
         kind="qwen3",
         layers=[1, 9, 17, 25, 33],
         full_layers=36,
-        rows=600,
+        rows=500,
         config=dict(
             vocab_size=151936,
             hidden_size=4096,
@@ -106,7 +106,7 @@ ARCHS = {
 }
 
 
-def _config(kind: str, num_layers: int, params: dict):
+def _model_config(kind: str, num_layers: int, params: dict):
     if kind == "qwen3":
         from transformers import Qwen3Config
 
@@ -127,11 +127,13 @@ def build_target(
     keep = max(spec["layers"]) + 1
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(_config(spec["kind"], keep, spec["config"]), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(
+            _model_config(spec["kind"], keep, spec["config"]), dtype=dtype
+        )
     model.eval().requires_grad_(False)
     target_dir = workdir / f"target-{arch}"
     target_dir.mkdir(parents=True, exist_ok=True)
-    full = _config(spec["kind"], spec["full_layers"], spec["config"])
+    full = _model_config(spec["kind"], spec["full_layers"], spec["config"])
     full.save_pretrained(target_dir)  # config.json with the full layer count, as a real checkpoint has
     save_file(
         {
@@ -170,33 +172,37 @@ def write_rows(path: Path, rows: int, vocab: int, seed: int = 0, max_clip: int =
 
 
 def bare_forward(target: CapturingTarget, dataset: Path, vocab: int, max_len: int, token_budget: int) -> dict:
-    """Gather + H2D + truncated forward over the same plan as the pipeline; nothing kept or copied back."""
+    """The truncated forward alone over the same plan as the pipeline (inputs staged on the device first)."""
     ds = open_dataset(dataset)
     report = validate(ds, vocab_size=vocab, max_len=max_len)
     batches = plan_batches(report.rows, report.lengths, token_budget=token_budget)
     cuda = target.device.type == "cuda"
 
-    def run(bs: list) -> None:
+    def stage(bs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # Inputs go to the device before the clock starts: the bare number is the forward alone.
+        staged = []
         for b in bs:
-            n = b.size * b.padded_len
-            bufs = GatherBuffers(
-                input_ids=torch.empty(n, dtype=torch.int64, pin_memory=cuda),
-                attention_mask=torch.empty(n, dtype=torch.int64, pin_memory=cuda),
-                loss_mask=torch.empty(n, dtype=torch.uint8),
-                lengths=torch.empty(b.size, dtype=torch.int64),
+            g = gather(ds, b, None)
+            staged.append(
+                (
+                    torch.as_tensor(g.input_ids).to(target.device),
+                    torch.as_tensor(g.attention_mask).to(target.device),
+                )
             )
-            g = gather(ds, b, bufs)
-            target.capture(
-                g.input_ids.to(target.device, non_blocking=True),
-                g.attention_mask.to(target.device, non_blocking=True),
-            )
+        return staged
+
+    def run(staged: list) -> None:
+        for input_ids, attention_mask in staged:
+            target.capture(input_ids, attention_mask)
         if cuda:
             torch.cuda.synchronize()
 
-    run(batches[:3])  # warm-up: kernels, allocator
+    run(stage(batches[:3]))  # warm-up: kernels, allocator
+    staged = stage(batches)
     t = time.perf_counter()
-    run(batches)
+    run(staged)
     seconds = time.perf_counter() - t
+    del staged
     tokens = int(sum(b.tokens for b in batches))
     return {
         "tokens": tokens,
@@ -205,6 +211,23 @@ def bare_forward(target: CapturingTarget, dataset: Path, vocab: int, max_len: in
         "batches": len(batches),
         "padded_tokens": int(sum(b.padded_tokens for b in batches)),
     }
+
+
+def _extract_config(
+    target_dir: Path, dataset: Path, out: Path, spec: dict, codec: str, args, dtype
+) -> ExtractConfig:
+    return ExtractConfig(
+        target=target_dir,
+        dataset=dataset,
+        out=out,
+        layers=spec["layers"],
+        codec=codec,
+        max_len=args.max_len,
+        token_budget=args.token_budget,
+        device=args.device,
+        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+        num_encode_threads=args.encode_threads,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,11 +268,35 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
+    # Lossless on random-weight states compresses ~1.2-1.4x: refuse early rather than fill the disk mid-phase.
+    planned = int(open_dataset(dataset).seq_len.clip(max=args.max_len).sum())
+    need = planned * len(spec["layers"]) * spec["config"]["hidden_size"] * 2 / 1.2
+    free = shutil.disk_usage(workdir).free
+    if need > free:
+        raise SystemExit(
+            f"{workdir}: a cache of ~{need / 1e9:.0f} GB does not fit in {free / 1e9:.0f} GB free; lower --rows"
+        )
+
     bare = bare_forward(target, dataset, vocab, args.max_len, args.token_budget)
     print(
         f"[bare] {bare['tokens']:,} tokens in {bare['seconds']:.1f} s = {bare['tokens_per_s']:,.0f} tokens/s",
         flush=True,
     )
+
+    # Warm the pipeline (kernels, pinned host blocks of the caching host allocator: ~1 GB each for the
+    # 8B shape, slow to allocate the first time) on a separate small set, so phases compare steady states.
+    warm_rows = 20 if args.tiny else 80
+    warm = write_rows(
+        workdir / "warm.arrow", warm_rows, vocab, seed=1, max_clip=MAX_LEN_CLIP if not args.tiny else 200
+    )
+    for codec in codecs:
+        t = time.perf_counter()
+        run_extraction(
+            _extract_config(target_dir, warm, workdir / f"warm-{codec}", spec, codec, args, dtype),
+            target=target,
+        )
+        shutil.rmtree(workdir / f"warm-{codec}", ignore_errors=True)
+        print(f"[warm-up] {codec}: {time.perf_counter() - t:.1f} s", flush=True)
 
     results = {
         "arch": arch,
@@ -266,18 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     for codec in codecs:
         out = workdir / f"cache-{codec}"
         shutil.rmtree(out, ignore_errors=True)
-        cfg = ExtractConfig(
-            target=target_dir,
-            dataset=dataset,
-            out=out,
-            layers=spec["layers"],
-            codec=codec,
-            max_len=args.max_len,
-            token_budget=args.token_budget,
-            device=str(device),
-            dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-            num_encode_threads=args.encode_threads,
-        )
+        cfg = _extract_config(target_dir, dataset, out, spec, codec, args, dtype)
         r = run_extraction(cfg, target=target)
         d = r.to_dict()
         d["ratio_to_bare"] = r.tokens_per_s / bare["tokens_per_s"]

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.shards.codecs import get_codec
-from dflash.shards.errors import ShardError
 from dflash.shards.manifest import Manifest, ShardInfo, save_manifest, target_info
 from dflash.shards.writer import ShardMeta, shard_name
 
@@ -44,7 +43,9 @@ from .units import (
     assign_units,
     check_or_write_manifest,
     committed_units,
+    drop_unreadable_shards,
     remove_stale_temp_files,
+    wait_for_other_ranks,
 )
 from .validate import validate
 
@@ -166,22 +167,6 @@ def _check_disk(s: _Setup, committed: set[int]) -> None:
         )
 
 
-def _verify_committed(cache: Path, committed: set[int]) -> set[int]:
-    """Drop committed shards whose footer does not parse (a disk error after commit): they are redone."""
-    from dflash.shards.reader import ShardReader
-
-    good = set()
-    for u in sorted(committed):
-        path = cache / SHARDS_DIR / shard_name(u)
-        try:
-            ShardReader.open(path).close()
-            good.add(u)
-        except (ShardError, OSError) as exc:
-            log.warning("removing unreadable shard %s (%s); its unit is redone", path.name, exc)
-            path.unlink(missing_ok=True)
-    return good
-
-
 def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, show_progress: bool) -> None:
     """Push the given units through the stages; raises the first stage error (e.g. DiskFull)."""
     cfg = s.config
@@ -222,12 +207,12 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
         threading.Thread(
             target=guarded,
             name="dflash-loader",
-            args=(load_batches, s.ds, work, q_in, stats.clock("gather"), cuda),
+            args=(load_batches, s.ds, work, q_in, stats.clock("gather"), s.device),
         ),
         threading.Thread(
             target=guarded,
             name="dflash-drain",
-            args=(drain, q_out, q_write, pool, s.codec, fp8, stats.clock("d2h"), stats, add_encode),
+            args=(drain, q_out, q_write, s.device, pool, s.codec, fp8, stats.clock("d2h"), stats, add_encode),
         ),
         threading.Thread(
             target=guarded,
@@ -241,7 +226,6 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
                 stats,
                 raw_per_token,
                 progress,
-                lambda info: None,
             ),
         ),
     ]
@@ -331,7 +315,7 @@ def run_extraction(
             )
             if current is None or not current.complete:
                 remove_stale_temp_files(out)
-                committed = _verify_committed(out, committed_units(out))
+                committed = drop_unreadable_shards(out, committed_units(out))
                 _check_disk(s, committed)
                 check_or_write_manifest(out, s.manifest, write=True)
                 write_target_parts(out, config.target)
@@ -360,7 +344,7 @@ def run_extraction(
                 done.extend(mine)
             if rank.rank != 0:
                 break
-            if not _wait_for_others(s, locks, takeover_grace_s):
+            if not wait_for_other_ranks(out, len(s.units), locks, takeover_grace_s):
                 # Units are left and no other rank is alive: rank 0 takes them over as a world of one.
                 rank = RankInfo(rank=0, world_size=1, local_rank=rank.local_rank, run_id=rank.run_id)
                 continue
@@ -393,20 +377,3 @@ def run_extraction(
     if s.rank.rank == 0:
         print(json.dumps(result.to_dict()) if config.json else format_summary(result), flush=True)
     return result
-
-
-def _wait_for_others(s: _Setup, locks: RunLocks, grace_s: float) -> bool:
-    """Rank 0: wait until every unit is committed (True) or no other rank has been alive for grace_s (False)."""
-    alone_since: float | None = None
-    while True:
-        if len(committed_units(s.config.out)) >= len(s.units):
-            return True
-        if locks.others_alive():
-            alone_since = None
-        elif alone_since is None:
-            alone_since = time.monotonic()
-        elif time.monotonic() - alone_since >= grace_s:
-            left = len(s.units) - len(committed_units(s.config.out))
-            log.warning("%d units are uncommitted and no other rank is running; rank 0 takes them over", left)
-            return False
-        time.sleep(0.2)

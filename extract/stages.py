@@ -137,9 +137,14 @@ class StageStats:
 
 
 def load_batches(
-    ds: Any, units: list[tuple[int, list[Any]]], out: Channel, clock: StageClock, pin: bool
+    ds: Any, units: list[tuple[int, list[Any]]], out: Channel, clock: StageClock, device: torch.device
 ) -> None:
     """Loader thread: gather each planned batch into fresh (pinned when CUDA) host tensors."""
+    pin = device.type == "cuda"
+    if pin:
+        # Pinned allocations use the thread's current device: without this every rank's loader
+        # would create a context on cuda:0.
+        torch.cuda.set_device(device)
     for unit, batches in units:
         for j, batch in enumerate(batches):
             with clock.timing("busy"):
@@ -252,6 +257,7 @@ def sample_layers(item: WorkBatch, i: int, offset: int, fp8: bool) -> list[torch
 def drain(
     inp: Channel,
     out: Channel,
+    device: torch.device,
     pool: ThreadPoolExecutor,
     codec: Codec,
     fp8: bool,
@@ -260,7 +266,10 @@ def drain(
     encode_clock: Callable[[float], None],
 ) -> None:
     """Drain thread: wait for each batch's D2H copy, then submit one encode task per sample."""
-    first_start = last_end = None
+    first_start = None
+    span_before = stats.gpu_span_s  # a rank-0 takeover runs the stages a second time
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     while True:
         with clock.timing("wait_in"):
             item = inp.get()
@@ -272,9 +281,9 @@ def drain(
             if item.timing is not None:
                 start, end = item.timing
                 stats.gpu_compute_s += start.elapsed_time(end) / 1e3
-                first_start = first_start or start
-                last_end = end
-                stats.gpu_span_s = first_start.elapsed_time(last_end) / 1e3
+                if first_start is None:
+                    first_start = start
+                stats.gpu_span_s = span_before + first_start.elapsed_time(end) / 1e3
             ids = item.input_ids.numpy()
             loss = item.loss_mask.numpy()
             futures: list[Future] = []
@@ -307,7 +316,6 @@ def write_shards(
     stats: StageStats,
     raw_bytes_per_token: int,
     progress: Any,
-    on_commit: Callable[[ShardInfo], None],
 ) -> None:
     """Writer thread: one ShardWriter per unit, samples in plan order; commit at the unit's last batch."""
     writer: ShardWriter | None = None
@@ -336,7 +344,6 @@ def write_shards(
                     writer = None
                     after = info.bytes  # index and footer included
                     stats.shards.append(info)
-                    on_commit(info)
                 written = after - before
                 stats.rows += len(item.rows)
                 stats.tokens += item.tokens

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import time
 from collections.abc import Iterable
@@ -100,8 +101,6 @@ def remove_stale_temp_files(cache_dir: str | Path) -> int:
         p.unlink(missing_ok=True)
         n += 1
     for p in Path(cache_dir).glob(".target.tmp-*"):
-        import shutil
-
         shutil.rmtree(p, ignore_errors=True)
     return n
 
@@ -246,8 +245,8 @@ def check_or_write_manifest(cache_dir: Path, expected: Manifest, *, write: bool)
         differences = diff_manifests(current, expected)
         if differences:
             raise ManifestMismatch(
-                f"{cache_dir} holds a cache made with other settings (resume refused; use the same command, "
-                "or another --out)",
+                f"{cache_dir} was extracted with other settings, resume refused (use the same command or "
+                "another --out); cache != this command",
                 differences,
             )
         return current
@@ -263,3 +262,38 @@ def check_or_write_manifest(cache_dir: Path, expected: Manifest, *, write: bool)
         )
     save_manifest(cache_dir, expected)
     return expected
+
+
+def drop_unreadable_shards(cache_dir: Path, committed: set[int]) -> set[int]:
+    """Remove committed shards whose footer does not parse (a disk error after commit): they are redone."""
+    from dflash.shards.reader import ShardReader
+    from dflash.shards.writer import shard_name
+
+    good = set()
+    for u in sorted(committed):
+        path = Path(cache_dir) / SHARDS_DIR / shard_name(u)
+        try:
+            ShardReader.open(path).close()
+            good.add(u)
+        except (ShardError, OSError) as exc:
+            log.warning("removing unreadable shard %s (%s); its unit is redone", path.name, exc)
+            path.unlink(missing_ok=True)
+    return good
+
+
+def wait_for_other_ranks(cache_dir: Path, num_units: int, locks: RunLocks, grace_s: float) -> bool:
+    """Rank 0: True once every unit is committed; False when units are left and no other rank has held
+    its lock for grace_s seconds (they died or never started: the caller takes their units over)."""
+    alone_since: float | None = None
+    while True:
+        left = num_units - len(committed_units(cache_dir))
+        if left <= 0:
+            return True
+        if locks.others_alive():
+            alone_since = None
+        elif alone_since is None:
+            alone_since = time.monotonic()
+        elif time.monotonic() - alone_since >= grace_s:
+            log.warning("%d units are uncommitted and no other rank is running; rank 0 takes them over", left)
+            return False
+        time.sleep(0.2)

@@ -55,6 +55,23 @@ def test_lossless_round_trip_is_bit_exact(s: int, h: int, dtype: str, kind: str,
         assert codec.encode(x.numpy()) == frame
 
 
+@pytest.mark.parametrize("probe", [True, False])
+def test_lossless_multi_chunk_planes_round_trip(monkeypatch: pytest.MonkeyPatch, probe: bool) -> None:
+    """Planes longer than one encode step, compressible or not, with and without the raw probe."""
+    from dflash.shards.codecs import LosslessCodec
+
+    monkeypatch.setattr(LosslessCodec, "probe", probe)
+    codec = get_codec("lossless")
+    for x in (
+        llm_like_layers(1100, 300, 1, seed=2, dtype=torch.float32)[0],
+        _random_bits((700, 500), torch.float32, 3),
+    ):
+        frame = codec.encode(x)
+        lengths = struct.unpack_from("<4I", frame)
+        assert sum(lengths) + 16 == len(frame) and all(0 < n <= x.numel() for n in lengths)
+        assert torch.equal(_bits(codec.decode(frame, tuple(x.shape), "float32")), _bits(x))
+
+
 def test_lossless_big_layer_stores_noise_plane_raw_and_compresses_target_ratio() -> None:
     x = llm_like_layers(512, 1024, 1, seed=1)[0]
     frame = get_codec("lossless").encode(x)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash.tools import tiny
+from dflash.tools import tiny, tiny_train
 from dflash.tools.chat import has_generation_markers
 from safetensors.torch import load_file
 
@@ -38,7 +38,7 @@ def test_build_leaves_torch_settings_alone(tmp_path):
     threads = torch.get_num_threads()
     rng_state = torch.get_rng_state()
     tiny.build_tiny_tokenizer(tmp_path, vocab_size=300)
-    with tiny._reproducible_torch():
+    with tiny_train.reproducible_torch():
         assert torch.get_num_threads() == 1 and torch.are_deterministic_algorithms_enabled()
     assert torch.get_num_threads() == threads and not torch.are_deterministic_algorithms_enabled()
     assert torch.equal(torch.get_rng_state(), rng_state)

@@ -82,6 +82,22 @@ def test_normalize_maps_sharegpt_and_text_parts():
         chat.normalize_conversation([{"role": "user", "content": " "}, {"role": "assistant", "content": ""}])
 
 
+def test_normalize_accepts_a_json_string_conversation():
+    assert chat.normalize_conversation(json.dumps(GOOD[0])) == GOOD[0]
+    with pytest.raises(chat.Malformed, match="not_a_list"):
+        chat.normalize_conversation("[not json")
+
+
+def test_empty_assistant_content_under_offsets_is_no_supervised_tokens(tmp_path, toks):
+    empty_answer = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
+    data = write_jsonl(tmp_path / "m.jsonl", [{"messages": empty_answer}, {"messages": GOOD[0]}])
+    summary, _ = run(tmp_path, data, toks["offsets"])
+    assert summary["skipped"] == {"no_supervised_tokens": 1} and summary["rows_out"] == 1
+    # With generation markers the template still marks <|im_end|>: the row is kept.
+    summary, rows = run(tmp_path, data, toks["markers"], name="markers")
+    assert summary["rows_out"] == 2 and sum(rows[0]["loss_mask"]) == 1
+
+
 def test_parse_json_row_reasons():
     assert chat.parse_json_row('{"messages": [1]}', "messages") == [1]
     for line, reason in (("nope", "invalid_json"), ("[1, 2]", "invalid_json"), ('{"x": 1}', "missing_field")):
@@ -345,6 +361,8 @@ def test_cli_json_summary_and_refuses_to_clobber(tmp_path, toks):
         ("wrong_format", "no 'conversations'"),
         ("parquet_no_column", "no 'messages' or 'conversations'"),
         ("no_template", "no chat template"),
+        ("not_a_tokenizer", "cannot load a tokenizer"),
+        ("json_array", "JSON array"),
     ],
 )
 def test_cli_bad_inputs_give_one_line_errors(tmp_path, toks, case, message):
@@ -371,6 +389,12 @@ def test_cli_bad_inputs_give_one_line_errors(tmp_path, toks, case, message):
         tok = tmp_path / "tok"
         shutil.copytree(toks["markers"], tok)
         (tok / "chat_template.jinja").unlink()
+    elif case == "not_a_tokenizer":
+        tok = tmp_path / "empty_tok"
+        tok.mkdir()
+    elif case == "json_array":
+        data = tmp_path / "x.json"
+        data.write_text(json.dumps([{"messages": GOOD[0]}], indent=1))
     code, _, err = _cli(["--data", str(data), "--tokenizer", str(tok), "--out", str(tmp_path / "o"), *extra])
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("dflash-tokenize: error:") and message in err

@@ -91,9 +91,14 @@ def _content_text(content: Any) -> str:
 def normalize_conversation(value: Any) -> list[Message]:
     """Validate one conversation and return it as `[{"role", "content"}]` with canonical roles.
 
-    Accepts OpenAI (`role`/`content`) and ShareGPT (`from`/`value`, human/gpt) messages; drops
-    other keys. Raises `Malformed` naming the first problem found.
+    Accepts OpenAI (`role`/`content`) and ShareGPT (`from`/`value`, human/gpt) messages, also as a
+    JSON string; drops other keys. Raises `Malformed` naming the first problem found.
     """
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:  # some datasets store the conversation as a JSON string
+            value = json.loads(value)
+        except ValueError:
+            raise Malformed("not_a_list", "a string that is not a JSON list") from None
     if not isinstance(value, (list, tuple)):
         raise Malformed("not_a_list", f"got {type(value).__name__}")
     if not value:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import time
 from collections.abc import Sequence
@@ -23,8 +22,7 @@ from pathlib import Path
 
 from . import tiny_corpus
 from .tiny_corpus import Conversation
-
-log = logging.getLogger(__name__)
+from .tiny_train import reproducible_torch, train_on_chats
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -136,6 +134,22 @@ def _resolve_size(size: str | TinySize) -> tuple[str, TinySize]:
     return size, SIZES[size]
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No progress bars or info logs from transformers while loading/saving the tiny model (restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def build_tiny_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, seed: int = 0):
     """Train a byte-level BPE on the built-in text and save it (with the chat template) to `out_dir`.
 
@@ -189,88 +203,6 @@ def _model_config(size: TinySize, tokenizer):
     )
 
 
-def _train(model, token_rows: list[list[int]], pad_id: int, size: TinySize, seed: int) -> tuple[float, float]:
-    """Next-token training on whole chats; returns (first, final) smoothed loss.
-
-    Batches are drawn from length-sorted windows (little padding) and right-padded without an
-    attention mask: under a causal mask pad tokens at the end only see, never feed, real tokens.
-    """
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
-
-    def epoch_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # Shuffle, then sort by length within windows of 8 batches: batches stay mixed across tasks
-        # (all-one-length batches trained measurably worse) while padding stays small.
-        order = torch.randperm(len(token_rows), generator=generator).tolist()
-        window = 8 * size.batch_size
-        batches = []
-        for w in range(0, len(order), window):
-            group = sorted(order[w : w + window], key=lambda i: len(token_rows[i]))
-            batches += [group[i : i + size.batch_size] for i in range(0, len(group), size.batch_size)]
-        tensors = []
-        for b in torch.randperm(len(batches), generator=generator).tolist():
-            rows = [token_rows[i] for i in batches[b]]
-            ids = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
-            for j, row in enumerate(rows):
-                ids[j, : len(row)] = torch.tensor(row)
-            tensors.append((ids, ids.masked_fill(ids == pad_id, -100)))
-        return tensors
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warmup = max(1, size.train_steps // 10)
-
-    def lr_factor(step: int) -> float:  # linear warmup, cosine down to 10%
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, size.train_steps - warmup)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-    first = smoothed = float("nan")
-    model.train()
-    for step in range(size.train_steps):
-        if not pending:
-            pending = epoch_batches()[::-1]
-        input_ids, labels = pending.pop()
-        loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        value = loss.item()
-        first = value if step == 0 else first
-        smoothed = value if step == 0 else 0.9 * smoothed + 0.1 * value
-    model.eval()
-    return first, smoothed
-
-
-@contextlib.contextmanager
-def _reproducible_torch():
-    """One CPU thread and deterministic kernels, restored afterwards.
-
-    One thread makes the weights independent of the core count, and on a shared 2-core box two
-    spinning OpenMP threads ran 27x slower than one (4.6 vs 0.17 s/step, measured). NaN-filling of
-    fresh tensors (on by default under deterministic mode) is turned off: it alone costs ~7x.
-    """
-    import torch
-
-    threads = torch.get_num_threads()
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    was_filling = torch.utils.deterministic.fill_uninitialized_memory
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(was_deterministic)
-        torch.utils.deterministic.fill_uninitialized_memory = was_filling
-
-
 def build_tiny_target(out_dir: str | Path, *, size: str | TinySize = "demo", seed: int = 0) -> TinyTargetInfo:
     """Build the tokenizer and train the tiny Qwen3 target into `out_dir` (a complete HF directory).
 
@@ -288,16 +220,17 @@ def build_tiny_target(out_dir: str | Path, *, size: str | TinySize = "demo", see
     texts = tokenizer.apply_chat_template(tiny_corpus.training_chats(spec.train_chats, seed), tokenize=False)
     token_rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    with _reproducible_torch(), torch.random.fork_rng(devices=[]):
+    with reproducible_torch(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
         train_start, cpu_start = time.perf_counter(), time.process_time()
-        first, final = _train(model, token_rows, tokenizer.pad_token_id, spec, seed)
+        first, final = train_on_chats(model, token_rows, tokenizer.pad_token_id, spec, seed)
         train_seconds, cpu_seconds = time.perf_counter() - train_start, time.process_time() - cpu_start
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.do_sample = False
-    model.save_pretrained(str(out), safe_serialization=True)
+    with _quiet_transformers():
+        model.save_pretrained(str(out))
     info = TinyTargetInfo(
         path=str(out),
         size=size_name,
@@ -342,7 +275,8 @@ def generate_completions(
         raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
     model.eval()
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     out: list[Conversation] = []
@@ -356,7 +290,7 @@ def generate_completions(
             return_dict=True,
             return_tensors="pt",
         )
-        with _reproducible_torch(), torch.inference_mode():
+        with reproducible_torch(), torch.inference_mode():
             generated = model.generate(
                 input_ids=enc["input_ids"],
                 attention_mask=enc["attention_mask"],

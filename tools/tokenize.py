@@ -123,6 +123,20 @@ def _summarize(mapped, cfg: TokenizeConfig, source, mask_source: str, seconds: f
     }
 
 
+def _fsync_tree(path: Path, files: bool = True) -> None:
+    """Make a finished directory durable before it is renamed into place (a crash never shows half of it)."""
+    if files:
+        for child in path.iterdir():
+            if child.is_file():
+                with child.open("rb") as f:
+                    os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def tokenize_chats(cfg: TokenizeConfig) -> dict:
     """Run `dflash-tokenize`; returns the summary (also written to `OUT/tokenize_summary.json`)."""
     from transformers import AutoTokenizer
@@ -133,7 +147,11 @@ def tokenize_chats(cfg: TokenizeConfig) -> dict:
     tok_dir = Path(cfg.tokenizer)
     if not tok_dir.is_dir():
         raise FileNotFoundError(f"--tokenizer {tok_dir}: not a directory (expected a HF tokenizer directory)")
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    except (OSError, ValueError, KeyError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--tokenizer {tok_dir}: cannot load a tokenizer from it ({first_line})") from None
     if not tokenizer.chat_template:
         raise ValueError(
             f"--tokenizer {tok_dir} has no chat template; use the chat (instruct) model's tokenizer"
@@ -190,10 +208,12 @@ def tokenize_chats(cfg: TokenizeConfig) -> dict:
         kept.save_to_disk(str(staged_out))
         summary["seconds"] = round(time.perf_counter() - start, 2)
         (staged_out / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n")
+        _fsync_tree(staged_out)
         # Swap in the new dataset; an old one (--overwrite) is removed only once the new one is in place.
         if out.exists():
             out.rename(retired)
         staged_out.rename(out)
+        _fsync_tree(out.parent, files=False)
     finally:
         for path in (scratch, staged_out, retired):
             shutil.rmtree(path, ignore_errors=True)

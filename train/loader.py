@@ -134,7 +134,11 @@ class StreamingLoader:
         self.on_corrupt = on_corrupt
         self.heldout_fraction, self.heldout_rows = heldout_fraction, heldout_rows
         self.seed, self.epochs, self.rank, self.world_size = seed, epochs, rank, world_size
-        self.device = device or torch.device("cpu")
+        device = device or torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            # A side thread starts on device 0, so the copier needs the concrete index.
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.pad_blocks_to_multiple = pad_blocks_to_multiple
         self.bad_shards: dict[str, str] = {}
         self.corrupt_messages: list[str] = []
@@ -336,9 +340,9 @@ class StreamingLoader:
 
     def _copier(self, built: queue.Queue, out: queue.Queue, put, stop: threading.Event) -> None:
         """Host-to-device copies on a side stream, one batch ahead of the consumer."""
-        torch.cuda.set_device(self.device)  # a new thread starts on device 0
-        stream = torch.cuda.Stream(device=self.device)
         try:
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0
+            stream = torch.cuda.Stream(device=self.device)
             while not stop.is_set():
                 try:
                     item = built.get(timeout=0.1)

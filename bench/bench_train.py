@@ -41,6 +41,7 @@ from dflash.shards import (
     save_manifest,
     shard_name,
 )
+from dflash.shards.layers import default_layer_ids
 from dflash.shards.manifest import target_info
 from dflash.shards.writer import ShardMeta
 from dflash.train import trainer as trainer_mod
@@ -48,7 +49,7 @@ from dflash.train.config import paper_recipe
 from dflash.train.loader import StreamingLoader
 from dflash.train.mask import visible_pairs
 from dflash.train.metrics import read_metrics
-from dflash.train.model import DrafterConfig, default_target_layer_ids, flops_per_step
+from dflash.train.model import DrafterConfig, flops_per_step
 
 from tests.common.synth import llm_like_layers
 
@@ -102,7 +103,7 @@ def write_cache(
 ) -> dict[str, Any]:
     """A complete cache; returns write stats."""
     h, vocab = target["hidden_size"], target["vocab_size"]
-    layers = default_target_layer_ids(target["num_hidden_layers"], 5)
+    layers = default_layer_ids(target["num_hidden_layers"], 5)
     rng = np.random.default_rng(seed)
     pool_len = 2 * max_len
     pool = llm_like_layers(pool_len, h, len(layers), seed=seed)  # each sample is a random window of it

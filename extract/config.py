@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from dflash.shards.layers import default_layer_ids
+
 CODECS = ("lossless", "fp8")
 OVERLONG_POLICIES = ("truncate", "skip")
 DTYPES = ("bfloat16", "float32", "auto")
@@ -65,16 +67,7 @@ def resolve_layers(
             )
         return sorted(set(ids))
     k = DEFAULT_NUM_DRAFT_LAYERS if num_draft_layers is None else int(num_draft_layers)
-    if k < 1:
-        raise ValueError(f"num_draft_layers must be >= 1, got {k}")
-    if k == 1:
-        return [L // 2]
-    ids = [round(1 + i * (L - 4) / (k - 1)) for i in range(k)]
-    if min(ids) < 0 or max(ids) >= L:
-        raise ValueError(
-            f"a {L}-layer target is too shallow for the default layer rule (got {ids}); pass --layers explicitly"
-        )
-    return sorted(set(ids))
+    return sorted(set(default_layer_ids(L, k)))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -40,19 +40,6 @@ class TargetInfo:
     config_dict: dict[str, Any]  # config.json as stored
 
 
-def default_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's default target layers: K evenly spaced ids from 1 to L-3 (one id -> L//2)."""
-    if num_draft_layers < 1:
-        raise ValueError(f"num_draft_layers={num_draft_layers} must be >= 1")
-    if num_layers < 4:
-        raise ValueError(
-            f"the target has {num_layers} layers; the default layer rule needs >= 4, pass --layers"
-        )
-    if num_draft_layers == 1:
-        return [num_layers // 2]
-    return [round(1 + i * (num_layers - 4) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
 def _text_config(config: Any) -> Any:
     """The decoder's config: `text_config` for VLM wrappers (qwen3_5), the config itself otherwise."""
     getter = getattr(config, "get_text_config", None)

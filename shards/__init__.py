@@ -7,20 +7,49 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-from .codecs import Codec, Fp8Block, codec_from_dict, get_codec, quantize_fp8
-from .errors import CorruptFrame, DiskFull, ManifestMismatch, ShardError
-from .manifest import (
-    Manifest,
-    ShardInfo,
-    diff_manifests,
-    load_manifest,
-    save_manifest,
-    target_fingerprint,
-    target_info,
-)
-from .reader import Cache, CacheEntry, Sample, ShardReader
-from .verify import VerifyReport, verify_cache
-from .writer import EncodedSample, ShardMeta, ShardWriter, encode_sample, shard_name
+# Exports load on first use (PEP 562) so that light paths (errors, CLI helpers, the dry run) never pay for
+# importing torch through the codecs.
+_EXPORTS = {
+    "Cache": "reader",
+    "CacheEntry": "reader",
+    "Codec": "codecs",
+    "CorruptFrame": "errors",
+    "DiskFull": "errors",
+    "EncodedSample": "writer",
+    "Fp8Block": "codecs",
+    "Manifest": "manifest",
+    "ManifestMismatch": "errors",
+    "Sample": "reader",
+    "ShardError": "errors",
+    "ShardInfo": "manifest",
+    "ShardMeta": "writer",
+    "ShardReader": "reader",
+    "ShardWriter": "writer",
+    "VerifyReport": "verify",
+    "codec_from_dict": "codecs",
+    "diff_manifests": "manifest",
+    "encode_sample": "writer",
+    "get_codec": "codecs",
+    "load_manifest": "manifest",
+    "quantize_fp8": "codecs",
+    "save_manifest": "manifest",
+    "shard_name": "writer",
+    "target_fingerprint": "manifest",
+    "target_info": "manifest",
+    "verify_cache": "verify",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Cache",

@@ -56,7 +56,7 @@ def test_resolve_layers_defaults_and_explicit():
     assert resolve_layers(4, None, 5) == [1]  # the rule repeats id 1 for tiny targets: captured once
     with pytest.raises(ValueError, match=r"layer ids \[36\] are outside \[0, 36\)"):
         resolve_layers(36, [1, 36])
-    with pytest.raises(ValueError, match="too shallow"):
+    with pytest.raises(ValueError, match="needs a target of >= 4 layers"):
         resolve_layers(2, None, 3)
     with pytest.raises(ValueError, match="either layers or num_draft_layers"):
         resolve_layers(36, [1], 5)

@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 from dflash.shards.errors import ShardError
+from dflash.shards.layers import default_layer_ids as default_target_layer_ids
 from dflash.train.blocks import SequenceInput, make_packed_batch
 from dflash.train.frozen import FrozenTarget, load_frozen_target
 from dflash.train.mask import build_attention_mask
-from dflash.train.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from dflash.train.model import DFlashDrafter, DrafterConfig
 from safetensors.torch import save_file
 
 TARGET = dict(
@@ -55,7 +56,7 @@ def test_default_target_layer_ids(layers: int, k: int, expected: list[int]) -> N
 def test_default_target_layer_ids_uses_python_round_half_to_even() -> None:
     # L=8, K=5: 1 + i * 4 / 4 -> exact; L=7, K=3: 1 + i * 3 / 2 -> 1, 2.5 -> 2 (half to even), 4
     assert default_target_layer_ids(7, 3) == [1, 2, 4]
-    with pytest.raises(ValueError, match="L >= 4"):
+    with pytest.raises(ValueError, match=">= 4 layers"):
         default_target_layer_ids(3, 2)
 
 

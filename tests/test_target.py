@@ -6,9 +6,10 @@ import json
 
 import pytest
 import torch
-from dflash.extract.target import check_layer_ids, default_layer_ids, load_target, read_target_info
+from dflash.extract.target import check_layer_ids, load_target, read_target_info
 from dflash.extract.target_parts import FROZEN_NAME, read_frozen, write_target_parts
 from dflash.shards.errors import ShardError
+from dflash.shards.layers import default_layer_ids
 from safetensors import safe_open
 
 from tests.common.targets import KINDS, load_reference, make_target, reference_layer_outputs

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 from dflash.shards.errors import ShardError
+from dflash.shards.layers import default_layer_ids
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .model import DFlashDrafter, DrafterConfig, default_target_layer_ids, rope_settings
+from .model import DFlashDrafter, DrafterConfig, rope_settings
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -126,7 +127,7 @@ def config_from_hf(raw: dict[str, Any], *, mask_token_id: int | None = None) -> 
         layers = int(raw["num_hidden_layers"])
         num_target_layers = int(raw["num_target_layers"])
         ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
-        ids = list(ids) if ids is not None else default_target_layer_ids(num_target_layers, layers)
+        ids = list(ids) if ids is not None else default_layer_ids(num_target_layers, layers)
         mask = (
             mask_token_id
             if mask_token_id is not None

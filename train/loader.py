@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from dflash.shards import Cache, ShardReader, target_fingerprint
 from dflash.shards.errors import ManifestMismatch, ShardError
+from dflash.shards.layers import default_layer_ids
 
 from .blocks import PackedBatch, make_packed_batch
 from .config import TrainConfig
@@ -371,9 +372,7 @@ def resolve_layer_ids(cfg: TrainConfig, num_target_layers: int, cached: list[int
     if cfg.drafter.target_layer_ids is not None:
         ids = cfg.drafter.target_layer_ids
     else:
-        from .model import default_target_layer_ids
-
-        ids = tuple(default_target_layer_ids(num_target_layers, cfg.drafter.num_draft_layers))
+        ids = tuple(default_layer_ids(num_target_layers, cfg.drafter.num_draft_layers))
         missing = [i for i in ids if i not in cached]
         if missing:
             raise ValueError(

@@ -1,7 +1,6 @@
 """The DFlash drafter: N Qwen3-style layers that draft a whole block in one pass from fused target features.
 
 Public API (stable; other modules rely on it):
-    default_target_layer_ids(num_target_layers, k) -> list[int]
     DrafterConfig (kw_only dataclass) and DrafterConfig.from_target_config(target_config_dict, ...)
     DFlashDrafter(config)
         .forward(batch: PackedBatch, block_embeds: Tensor[N, B, H], attn_mask=None) -> Tensor[N, B, H]
@@ -23,26 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from dflash.shards.layers import default_layer_ids
 from torch import nn
 
 if TYPE_CHECKING:
     from .blocks import PackedBatch
     from .mask import AttentionMask
-
-
-def default_target_layer_ids(num_target_layers: int, k: int) -> list[int]:
-    """K target layers evenly spaced from 1 to L-3 (Python `round`, halves to even); one layer -> [L // 2]."""
-    if num_target_layers < 1 or k < 1:
-        raise ValueError(f"need num_target_layers >= 1 and k >= 1, got L={num_target_layers}, k={k}")
-    if k == 1:
-        return [num_target_layers // 2]
-    if num_target_layers < 4:
-        raise ValueError(
-            f"the default layer rule needs L >= 4 target layers (got {num_target_layers}); "
-            "pass target_layer_ids explicitly"
-        )
-    span = num_target_layers - 4
-    return [round(1 + i * span / (k - 1)) for i in range(k)]
 
 
 def _text_config(target: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +149,7 @@ class DrafterConfig:
         ids = (
             list(target_layer_ids)
             if target_layer_ids is not None
-            else default_target_layer_ids(num_target_layers, num_hidden_layers)
+            else default_layer_ids(num_target_layers, num_hidden_layers)
         )
         values.update(
             num_target_layers=num_target_layers,

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
+from types import SimpleNamespace
 
+import dflash.train.mask as mask_module
 import pytest
 import torch
 from dflash.train.blocks import SequenceInput, make_packed_batch
+from dflash.train.cli import build_config
+from dflash.train.config import config_from_flat
 from dflash.train.frozen import FrozenTarget
-from dflash.train.mask import build_attention_mask, dense_mask
+from dflash.train.mask import DenseMask, FlexMask, build_attention_mask, choose_backend, dense_mask
 from dflash.train.model import DFlashDrafter, DrafterConfig
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,8 +98,9 @@ def _model(seed=0):
 
 
 def _logits(model, frozen, batch, backend="dense"):
+    attn_mask = build_attention_mask(batch, backend) if isinstance(backend, str) else backend
     with torch.no_grad():
-        hidden = model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, backend))
+        hidden = model(batch, frozen.embed(batch.block_ids), attn_mask)
     return frozen.logits(hidden)
 
 
@@ -197,3 +203,112 @@ def test_padding_blocks_see_nothing_and_stay_finite() -> None:
     hidden.float().sum().backward()  # padding rows included: no NaN may reach the weights
     assert torch.isfinite(hidden).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# --- choosing the implementation, and falling back when FlexAttention fails ---------------------------
+
+
+def _shape_only(num_blocks: int, context: int, device: str = "cuda") -> SimpleNamespace:
+    # choose_backend reads only shapes and the device, so a CUDA batch can be described without a GPU.
+    return SimpleNamespace(
+        num_blocks=num_blocks,
+        block_size=B,
+        num_context_tokens=context,
+        block_seq=SimpleNamespace(device=torch.device(device)),
+    )
+
+
+@pytest.fixture
+def flex_state(monkeypatch):
+    """A process in which FlexAttention has not failed yet (restored afterwards)."""
+    monkeypatch.setattr(mask_module, "_flex_failure", None)
+    return monkeypatch
+
+
+def _failing_flex(calls: list, exc: BaseException):
+    def fail(*_args, **_kwargs):
+        calls.append(torch._functorch.config.force_non_lazy_backward_lowering)
+        raise exc
+
+    return lambda _device: fail
+
+
+def test_auto_uses_dense_for_small_batches_and_off_cuda_and_flex_for_large_ones(flex_state) -> None:
+    limit = mask_module.AUTO_DENSE_MAX_PAIRS
+    m = 2048  # 512 blocks of 4: the boundary falls at context = limit / m - m
+    at_limit = limit // m - m
+    assert choose_backend(_shape_only(m // B, at_limit)) == "dense"
+    assert choose_backend(_shape_only(m // B, at_limit + 1)) == "flex"
+    assert choose_backend(_shape_only(m // B, at_limit + 1, device="cpu")) == "dense"
+    assert choose_backend(_shape_only(20, 300)) == "dense"  # the tiny preset's scale
+    # A Qwen3-8B step: 512 anchors x 16 slots against a 3072-token sequence.
+    assert choose_backend(SimpleNamespace(**{**vars(_shape_only(512, 3072)), "block_size": 16})) == "flex"
+    # Explicit choices are taken as given, whatever the size or device.
+    assert choose_backend(_shape_only(1, 1), "flex") == "flex"
+    assert choose_backend(_shape_only(m // B, 10**6), "dense") == "dense"
+    with pytest.raises(ValueError, match="'sparse'"):
+        choose_backend(_shape_only(1, 1), "sparse")
+
+
+def test_auto_falls_back_to_dense_once_with_one_warning_and_dense_numerics(flex_state, caplog) -> None:
+    model, frozen = _model(5)
+    _, batch = _pack([30, 12], num_anchors=5, pad=4)
+    calls: list = []
+    flex_state.setattr(
+        mask_module, "_flex_attention", _failing_flex(calls, RuntimeError("lowering\nsecond-line-xyz"))
+    )
+    dense = _logits(model, frozen, batch, "dense")
+    with caplog.at_level(logging.WARNING, logger=mask_module.__name__):
+        fell_back = _logits(model, frozen, batch, FlexMask.from_batch(batch, fallback_to_dense=True))
+        again = _logits(model, frozen, batch, FlexMask.from_batch(batch, fallback_to_dense=True))
+    assert torch.equal(fell_back, dense) and torch.equal(again, dense)  # the dense path itself, bit for bit
+    assert calls == [True]  # tried once (backward lowered eagerly so its errors surface), never retried
+    warnings_seen = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings_seen) == 1
+    assert (
+        "RuntimeError: lowering" in warnings_seen[0].getMessage()
+        and "second-line-xyz" not in warnings_seen[0].getMessage()
+    )
+    assert "dense" in warnings_seen[0].getMessage()
+    assert mask_module.flex_failure() == "RuntimeError: lowering"
+    # Later "auto" batches go straight to dense, even the large ones that would pick FlexAttention.
+    assert choose_backend(_shape_only(4096, 10**5)) == "dense"
+    assert choose_backend(_shape_only(4096, 10**5), "flex") == "flex"
+
+
+def test_auto_falls_back_when_the_block_mask_cannot_be_built(flex_state, caplog) -> None:
+    _, batch = _pack([16], num_anchors=3)
+    flex_state.setattr(mask_module, "choose_backend", lambda _batch, _backend: "flex")
+
+    def broken(cls, *_args, **_kwargs):
+        raise TypeError("create_block_mask failed")
+
+    flex_state.setattr(FlexMask, "from_batch", classmethod(broken))
+    with caplog.at_level(logging.WARNING, logger=mask_module.__name__):
+        built = build_attention_mask(batch, "auto")
+    assert isinstance(built, DenseMask) and torch.equal(built.allowed, DenseMask.from_batch(batch).allowed)
+    assert "TypeError: create_block_mask failed" in caplog.text
+    with pytest.raises(TypeError):  # "flex" never falls back
+        build_attention_mask(batch, "flex")
+
+
+def test_flex_is_strict_and_out_of_memory_is_never_masked_by_a_fallback(flex_state) -> None:
+    model, frozen = _model(6)
+    _, batch = _pack([20], num_anchors=3)
+    calls: list = []
+    flex_state.setattr(mask_module, "_flex_attention", _failing_flex(calls, RuntimeError("kernel")))
+    with pytest.raises(RuntimeError, match="kernel"):
+        _logits(model, frozen, batch, "flex")
+    assert mask_module.flex_failure() is None
+    flex_state.setattr(mask_module, "_flex_attention", _failing_flex(calls, torch.OutOfMemoryError("oom")))
+    with pytest.raises(torch.OutOfMemoryError):
+        _logits(model, frozen, batch, FlexMask.from_batch(batch, fallback_to_dense=True))
+    assert mask_module.flex_failure() is None
+
+
+def test_attention_setting_reaches_the_train_config(tmp_path) -> None:
+    cfg = build_config(["--cache", str(tmp_path), "--out", str(tmp_path / "run"), "--attention", "flex"])
+    assert cfg.attention == "flex" and cfg.to_flat()["attention"] == "flex"
+    assert build_config(["--cache", "c", "--out", "o"]).attention == "auto"
+    with pytest.raises(ValueError, match="attention='sparse'"):
+        config_from_flat({"cache": "c", "out": "o", "attention": "sparse"})

@@ -16,7 +16,14 @@ from typing import Any
 
 from dflash.shards.cli import run_main
 
-from .config import DEVICE_CHOICES, ON_CORRUPT_CHOICES, config_from_flat, load_config_file, tiny_debug
+from .config import (
+    ATTENTION_CHOICES,
+    DEVICE_CHOICES,
+    ON_CORRUPT_CHOICES,
+    config_from_flat,
+    load_config_file,
+    tiny_debug,
+)
 
 PROG = "dflash-train"
 
@@ -37,6 +44,12 @@ def _train_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     run.add_argument("--seed", type=int)
     run.add_argument("--device", choices=DEVICE_CHOICES)
+    run.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        help="auto (default): dense SDPA for small batches or off CUDA, FlexAttention otherwise, dense if "
+        "FlexAttention fails; dense or flex force one (flex: errors are fatal)",
+    )
     run.add_argument("--eval-every", type=int, help="evaluate every N steps and at the end (0: never)")
     run.add_argument("--save-every", type=int, help="checkpoint every N steps (and at the end)")
     run.add_argument("--log-every", type=int, help="write metrics every N steps")

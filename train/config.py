@@ -17,6 +17,7 @@ from typing import Any
 
 ON_CORRUPT_CHOICES = ("skip", "fail")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+ATTENTION_CHOICES = ("auto", "dense", "flex")  # see mask.choose_backend
 
 
 def default_gamma(block_size: int) -> float:
@@ -136,6 +137,7 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     device: str = "auto"
+    attention: str = "auto"
     eval_every: int = 500
     save_every: int = 1000
     log_every: int = 10
@@ -154,6 +156,8 @@ class TrainConfig:
             raise ValueError("out is empty: pass --out RUN_DIR (where checkpoints and metrics go)")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device={self.device!r}: choose one of {', '.join(DEVICE_CHOICES)}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention={self.attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
         for name in ("eval_every", "save_every", "log_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0 (0 disables it)")

@@ -25,6 +25,7 @@ from .blocks import eligible_anchors, make_packed_batch
 from .data_plan import SampleRef, ShardEntries, eval_batches
 from .frozen import FrozenTarget
 from .loss import LossStats, drafter_loss
+from .mask import build_attention_mask
 from .model import DFlashDrafter
 
 _EVAL_ANCHOR_TAG = 0x4556
@@ -101,10 +102,10 @@ def _read_samples(
 
 
 def _block_predictions(
-    model: DFlashDrafter, frozen: FrozenTarget, batch: Any, chunk_rows: int = 2048
+    model: DFlashDrafter, frozen: FrozenTarget, batch: Any, chunk_rows: int = 2048, attention: str = "auto"
 ) -> torch.Tensor:
     """Greedy drafts [N, B-1] for every block of a batch (lm_head in row chunks to bound memory)."""
-    hidden = model(batch, frozen.embed(batch.block_ids))
+    hidden = model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, attention))
     n, b, h = hidden.shape
     drafted = hidden[:, 1:].reshape(-1, h)
     preds = torch.cat(
@@ -133,8 +134,9 @@ def evaluate(
     device: torch.device,
     walk: bool = True,
     threads: int = 4,
+    attention: str = "auto",
 ) -> dict[str, Any]:
-    """Metrics over the held-out set; an empty set returns {}."""
+    """Metrics over the held-out set; an empty set returns {}. `attention`: see `mask.choose_backend`."""
     if not eval_set.batches:
         return {}
     was_training = model.training
@@ -162,7 +164,9 @@ def evaluate(
                 ).to(device)
                 if not bool((batch.weights > 0).any()):
                     continue
-                _, stats = drafter_loss(model, frozen, batch)
+                _, stats = drafter_loss(
+                    model, frozen, batch, attn_mask=build_attention_mask(batch, attention)
+                )
                 total = stats if total is None else total.merge(stats)
                 if walk:
                     for sample in samples:
@@ -176,6 +180,7 @@ def evaluate(
                                 mask_token_id=mask_token_id,
                                 gamma=gamma,
                                 device=device,
+                                attention=attention,
                             )
                         )
     finally:
@@ -209,6 +214,7 @@ def _walk_one(
     mask_token_id: int,
     gamma: float,
     device: torch.device,
+    attention: str = "auto",
 ) -> list[int]:
     """A per decode step of one sequence: blocks at every eligible anchor, then the greedy walk."""
     anchors = eligible_anchors(sample.loss_mask)
@@ -224,7 +230,7 @@ def _walk_one(
             anchors=[chunk],
             layer_ids=layer_ids,
         ).to(device)
-        preds = _block_predictions(model, frozen, batch)
+        preds = _block_predictions(model, frozen, batch, attention=attention)
         n = chunk.numel()
         labels, valid = batch.labels[:n, 1:], batch.weights[:n, 1:] > 0
         accepted_at[chunk] = accepted_lengths(preds[:n], labels, valid).cpu()

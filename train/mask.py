@@ -9,22 +9,37 @@ Public API (stable):
     dense_mask(batch) -> BoolTensor[N*B, T+N*B]              the rule evaluated densely (CPU, test oracle)
     DenseMask(allowed).attend(q, k, v, scale)               SDPA with a boolean mask
     FlexMask(block_mask).attend(q, k, v, scale)             FlexAttention (compiled on CUDA), no dense S x S
-    build_attention_mask(batch, backend="auto") -> DenseMask | FlexMask   ("auto": flex on CUDA, dense elsewhere)
-    visible_pairs(batch) -> int                             allowed (query, key) pairs (for FLOP counts)
+    build_attention_mask(batch, backend="auto") -> DenseMask | FlexMask   (see `choose_backend`)
+    choose_backend(batch, backend="auto") -> "dense" | "flex"   the rule "auto" follows
+        visible_pairs(batch) -> int                             allowed (query, key) pairs (for FLOP counts)
 q: [1, Hq, M, D], k/v: [1, Hkv, T+M, D] (GQA handled inside), output [1, Hq, M, D].
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from .config import ATTENTION_CHOICES
+
 if TYPE_CHECKING:
     from .blocks import PackedBatch
+
+log = logging.getLogger(__name__)
+
+# "auto" keeps batches whose dense mask has at most this many (query, key) pairs on SDPA. Such a mask is
+# small (1 byte a pair, built once per batch), SDPA needs no compile (FlexAttention's first compile took
+# ~35 s on an H200, and every new dynamic shape can recompile), and the FLOPs spent on masked pairs are
+# negligible at this size. Kept well below what a GPU could hold because with GQA a masked SDPA may run
+# the math kernel, which materializes heads x pairs scores. Large batches (a Qwen3-8B step is ~10^8
+# pairs) go to FlexAttention, which skips empty tiles and never builds the mask.
+AUTO_DENSE_MAX_PAIRS = 16 * 2**20
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -91,6 +106,8 @@ class DenseMask:
 
 
 _compiled_flex: Callable[..., torch.Tensor] | None = None
+# Why FlexAttention failed in this process ("auto" then uses SDPA for the rest of the run), or None.
+_flex_failure: str | None = None
 
 
 def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
@@ -100,16 +117,49 @@ def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
         return flex_attention  # eager reference path (tests on CPU)
     global _compiled_flex
     if _compiled_flex is None:
+        log.info("compiling FlexAttention (the first steps take longer)")
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
 
+def _compile_backward_now() -> contextlib.AbstractContextManager[object]:
+    """Make torch.compile lower the backward while the forward compiles. By default the backward is lowered
+    lazily, at the first backward() of each new (often dynamic-shape) graph, where a lowering error can
+    neither be caught here nor fall back; forced, it surfaces inside `attend`."""
+    config = torch._functorch.config
+    if hasattr(config, "force_non_lazy_backward_lowering"):
+        return config.patch(force_non_lazy_backward_lowering=True)
+    return contextlib.nullcontext()
+
+
+def _disable_flex(exc: BaseException) -> None:
+    global _flex_failure
+    detail = (str(exc).strip().splitlines() or [""])[0][:300]
+    _flex_failure = f"{type(exc).__name__}: {detail}"
+    log.warning(
+        "FlexAttention failed (%s); attention = auto falls back to dense SDPA for the rest of this run "
+        "(same results, more memory on long batches; --attention flex makes this an error)",
+        _flex_failure,
+    )
+
+
+def flex_failure() -> str | None:
+    """Why FlexAttention was given up in this process (None if it was not)."""
+    return _flex_failure
+
+
 @dataclass(slots=True)
 class FlexMask:
+    """FlexAttention over a BlockMask. With `fallback_batch` set ("auto"), a failure to compile or run the
+    kernel is logged once and this and every later mask of the process attend through `DenseMask`
+    instead; without it ("flex") the error propagates."""
+
     block_mask: object  # torch.nn.attention.flex_attention.BlockMask
+    fallback_batch: PackedBatch | None = None
+    _dense: DenseMask | None = field(default=None, init=False, repr=False)
 
     @classmethod
-    def from_batch(cls, batch: PackedBatch, block: int = 128) -> FlexMask:
+    def from_batch(cls, batch: PackedBatch, block: int = 128, *, fallback_to_dense: bool = False) -> FlexMask:
         from torch.nn.attention.flex_attention import create_block_mask
 
         m = batch.num_blocks * batch.block_size
@@ -124,9 +174,25 @@ class FlexMask:
             BLOCK_SIZE=block,
             _compile=device.type == "cuda",
         )
-        return cls(block_mask=block_mask)
+        return cls(block_mask=block_mask, fallback_batch=batch if fallback_to_dense else None)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.fallback_batch is None:
+            return self._flex(q, k, v, scale)
+        if _flex_failure is None:
+            try:
+                with _compile_backward_now():
+                    return self._flex(q, k, v, scale)
+            except torch.OutOfMemoryError:
+                raise  # the dense path needs more memory, not less
+            except Exception as exc:
+                # Any class: compile and lowering errors come from Dynamo, Inductor and Triton alike.
+                _disable_flex(exc)
+        if self._dense is None:
+            self._dense = DenseMask.from_batch(self.fallback_batch)
+        return self._dense.attend(q, k, v, scale)
+
+    def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         fn = _flex_attention(q.device)
         return fn(q, k, v, block_mask=self.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -142,12 +208,39 @@ def visible_pairs(batch: PackedBatch) -> int:
     return int(((batch.anchor_pos[real] + batch.block_size) * batch.block_size).sum())
 
 
+def choose_backend(
+    batch: PackedBatch, backend: Literal["auto", "dense", "flex"] = "auto"
+) -> Literal["dense", "flex"]:
+    """The implementation `build_attention_mask` uses. "dense"/"flex" are taken as given; "auto" picks
+    dense SDPA off CUDA, for batches of at most `AUTO_DENSE_MAX_PAIRS` (query, key) pairs, and after
+    FlexAttention failed in this process; FlexAttention otherwise."""
+    if backend not in ATTENTION_CHOICES:
+        raise ValueError(f"attention backend must be 'auto', 'dense' or 'flex', got {backend!r}")
+    if backend != "auto":
+        return backend
+    m = batch.num_blocks * batch.block_size
+    if (
+        batch.block_seq.device.type != "cuda"
+        or m * (batch.num_context_tokens + m) <= AUTO_DENSE_MAX_PAIRS
+        or _flex_failure is not None
+    ):
+        return "dense"
+    return "flex"
+
+
 def build_attention_mask(
     batch: PackedBatch, backend: Literal["auto", "dense", "flex"] = "auto"
 ) -> DenseMask | FlexMask:
-    """One mask per batch, shared by every layer and head."""
-    if backend not in ("auto", "dense", "flex"):
-        raise ValueError(f"attention backend must be 'auto', 'dense' or 'flex', got {backend!r}")
-    if backend == "auto":
-        backend = "flex" if batch.block_seq.device.type == "cuda" else "dense"
-    return FlexMask.from_batch(batch) if backend == "flex" else DenseMask.from_batch(batch)
+    """One mask per batch, shared by every layer and head. "flex" is strict (errors propagate); FlexAttention
+    chosen by "auto" falls back to dense SDPA, once and with a warning, if it fails to compile or run."""
+    if choose_backend(batch, backend) == "dense":
+        return DenseMask.from_batch(batch)
+    if backend == "flex":
+        return FlexMask.from_batch(batch)
+    try:  # on CUDA the BlockMask is built by a compiled function too
+        return FlexMask.from_batch(batch, fallback_to_dense=True)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        _disable_flex(exc)
+        return DenseMask.from_batch(batch)

@@ -322,7 +322,7 @@ class DFlashDrafter(nn.Module):
         """Block hidden states [N, B, H] after the final norm, for the blocks of a packed batch.
 
         `block_embeds` = frozen target embedding of `batch.block_ids` ([N, B, H]); `attn_mask` defaults to
-        `mask.build_attention_mask(batch)` (FlexAttention on CUDA, dense SDPA elsewhere).
+        `mask.build_attention_mask(batch)` ("auto": see `mask.choose_backend`).
         """
         if attn_mask is None:
             from .mask import build_attention_mask

@@ -29,6 +29,7 @@ from .export import export_drafter
 from .frozen import load_frozen_target
 from .loader import StreamingLoader, check_cache, resolve_layer_ids
 from .loss import drafter_loss
+from .mask import build_attention_mask
 from .metrics import MetricsLogger, format_eta
 from .model import DFlashDrafter, DrafterConfig
 from .parallelize import (
@@ -208,7 +209,10 @@ def train(cfg: TrainConfig) -> TrainResult:
             for i, loaded in enumerate(micro):
                 batch = loaded.wait()
                 with no_sync_unless(ddp_model, i == len(micro) - 1), autocast:
-                    loss, stats = drafter_loss(ddp_model, frozen, batch, normalizer=normalizer)
+                    attn_mask = build_attention_mask(batch, cfg.attention)
+                    loss, stats = drafter_loss(
+                        ddp_model, frozen, batch, attn_mask=attn_mask, normalizer=normalizer
+                    )
                     (loss * loaded.loss_scale).backward()
                 if loaded.loss_scale:
                     loss_sum += stats.loss_sum.double()
@@ -281,6 +285,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                         seed=cfg.seed,
                         device=device,
                         threads=cfg.data.loader_threads,
+                        attention=cfg.attention,
                     )
                     last_record = {**last_record, "step": step, **result}
                     last_tau = result.get("tau", last_tau)

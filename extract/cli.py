@@ -51,11 +51,21 @@ def _size(text: str) -> int:
         ) from None
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a default only where there is one worth showing (not None/False, not already in the text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
     )
     p.add_argument(
         "--target", required=True, help="HF model directory of the frozen target (config.json + weights)"
@@ -97,7 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--encode-threads", type=int, default=None, help="codec threads (default: from the CPU count)"
     )
     p.add_argument("--queue-depth", type=int, default=4, help="batches in flight between pipeline stages")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--dry-run", action="store_true", help="validate and plan only; print sizes and free space"
     )
@@ -130,7 +139,6 @@ def config_from_args(argv: Sequence[str] | None) -> ExtractConfig:
         json=args.json,
         num_encode_threads=args.encode_threads,
         queue_depth=args.queue_depth,
-        seed=args.seed,
     )
 
 

@@ -94,7 +94,6 @@ class ExtractConfig:
     json: bool = False
     num_encode_threads: int | None = None
     queue_depth: int = 4
-    seed: int = 0
 
     def __post_init__(self) -> None:
         self.target = Path(self.target)

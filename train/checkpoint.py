@@ -277,6 +277,7 @@ RESUMABLE_KEYS = frozenset(
         "out",
         "resume",
         "device",
+        "attention",  # a kernel choice: both paths compute the same function
         "eval_every",
         "save_every",
         "log_every",

@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.extract.config import ExtractConfig
 from dflash.extract.dataset import open_dataset
 from dflash.extract.gather import gather
@@ -44,76 +46,27 @@ from dflash.extract.plan import plan_batches
 from dflash.extract.target import CapturingTarget
 from dflash.extract.validate import validate
 
+from bench.shapes import QWEN3_8B, QWEN35_27B, TINY, config_kwargs
+
 MEDIAN_LEN, SIGMA, MIN_LEN, MAX_LEN_CLIP = 1450, 0.8, 16, 8192
 
+# Captured layers: the DFlash default rule (K = 5) for the real shapes; two early layers for the tiny one.
 ARCHS = {
-    "qwen3_8b": dict(
-        kind="qwen3",
-        layers=[1, 9, 17, 25, 33],
-        full_layers=36,
-        rows=500,
-        config=dict(
-            vocab_size=151936,
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            rope_theta=1000000.0,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "qwen35_27b": dict(
-        kind="qwen3_5_text",
-        layers=[1, 16, 31, 46, 61],
-        full_layers=64,
-        rows=300,
-        config=dict(
-            vocab_size=248320,
-            hidden_size=5120,
-            intermediate_size=17408,
-            num_attention_heads=24,
-            num_key_value_heads=4,
-            head_dim=256,
-            linear_num_key_heads=16,
-            linear_num_value_heads=48,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_conv_kernel_dim=4,
-            max_position_embeddings=262144,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "tiny": dict(
-        kind="qwen3",
-        layers=[1, 2],
-        full_layers=4,
-        rows=40,
-        config=dict(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=8192,
-            tie_word_embeddings=False,
-        ),
-    ),
+    "qwen3_8b": dict(shape=QWEN3_8B, layers=[1, 9, 17, 25, 33], rows=500),
+    "qwen35_27b": dict(shape=QWEN35_27B, layers=[1, 16, 31, 46, 61], rows=300),
+    "tiny": dict(shape=TINY, layers=[1, 2], rows=40),
 }
 
 
-def _model_config(kind: str, num_layers: int, params: dict):
-    if kind == "qwen3":
+def _model_config(shape: dict, num_layers: int):
+    params = config_kwargs(shape, num_layers)
+    if shape["model_type"] == "qwen3":
         from transformers import Qwen3Config
 
-        return Qwen3Config(num_hidden_layers=num_layers, **params)
+        return Qwen3Config(**params)
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-    return Qwen3_5TextConfig(num_hidden_layers=num_layers, **params)
+    return Qwen3_5TextConfig(**params)
 
 
 def build_target(
@@ -127,13 +80,11 @@ def build_target(
     keep = max(spec["layers"]) + 1
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(
-            _model_config(spec["kind"], keep, spec["config"]), dtype=dtype
-        )
+        model = AutoModelForCausalLM.from_config(_model_config(spec["shape"], keep), dtype=dtype)
     model.eval().requires_grad_(False)
     target_dir = workdir / f"target-{arch}"
     target_dir.mkdir(parents=True, exist_ok=True)
-    full = _model_config(spec["kind"], spec["full_layers"], spec["config"])
+    full = _model_config(spec["shape"], spec["shape"]["num_hidden_layers"])
     full.save_pretrained(target_dir)  # config.json with the full layer count, as a real checkpoint has
     save_file(
         {
@@ -256,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dflash-bench-extract-"))
     workdir.mkdir(parents=True, exist_ok=True)
     codecs = [c for c in args.codec.split(",") if c]
-    vocab = spec["config"]["vocab_size"]
+    vocab = spec["shape"]["vocab_size"]
 
     t = time.perf_counter()
     target_dir, target = build_target(arch, workdir, device, dtype)
@@ -270,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Lossless on random-weight states compresses ~1.2-1.4x: refuse early rather than fill the disk mid-phase.
     planned = int(open_dataset(dataset).seq_len.clip(max=args.max_len).sum())
-    need = planned * len(spec["layers"]) * spec["config"]["hidden_size"] * 2 / 1.2
+    need = planned * len(spec["layers"]) * spec["shape"]["hidden_size"] * 2 / 1.2
     free = shutil.disk_usage(workdir).free
     if need > free:
         raise SystemExit(
@@ -317,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         r = run_extraction(cfg, target=target)
         d = r.to_dict()
         d["ratio_to_bare"] = r.tokens_per_s / bare["tokens_per_s"]
-        d["raw_bf16_bytes_per_token"] = len(spec["layers"]) * spec["config"]["hidden_size"] * 2
+        d["raw_bf16_bytes_per_token"] = len(spec["layers"]) * spec["shape"]["hidden_size"] * 2
         d["compression_vs_bf16"] = (
             d["raw_bf16_bytes_per_token"] / r.bytes_per_token if r.bytes_per_token else 0.0
         )

@@ -51,37 +51,8 @@ from dflash.train.mask import visible_pairs
 from dflash.train.metrics import read_metrics
 from dflash.train.model import DrafterConfig, flops_per_step
 
+from bench.shapes import QWEN3_8B, TINY
 from tests.common.synth import llm_like_layers
-
-QWEN3_8B: dict[str, Any] = dict(
-    model_type="qwen3",
-    architectures=["Qwen3ForCausalLM"],
-    hidden_size=4096,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=12288,
-    vocab_size=151936,
-    num_hidden_layers=36,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=40960,
-    bos_token_id=151643,
-    eos_token_id=151645,
-    tie_word_embeddings=False,
-)
-TINY: dict[str, Any] = dict(
-    QWEN3_8B,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=512,
-    num_hidden_layers=8,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 class _StopBench(Exception):

@@ -17,40 +17,21 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.train.blocks import PackedBatch, SequenceInput, make_packed_batch
 from dflash.train.frozen import FrozenTarget
 from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask, visible_pairs
 from dflash.train.model import DFlashDrafter, DrafterConfig, flops_per_step
 
-QWEN3_8B = dict(
-    hidden_size=4096,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=12288,
-    vocab_size=151936,
-    num_hidden_layers=36,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=40960,
-)
-TINY = dict(
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=512,
-    num_hidden_layers=8,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=4096,
-)
+from bench.shapes import QWEN3_8B, TINY
 
 
 def _sync(device: torch.device) -> None:

@@ -10,7 +10,6 @@ prints one line per phase. Exit code 0 only if every phase succeeded.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -19,8 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash.train.metrics import read_metrics
+
 from tests.common.datasets import make_rows, write_save_to_disk
 from tests.common.targets import make_target
+from tests.common.train_cli import tiny_train_argv, torchrun
 
 
 def _run(what: str, cmd: list[str]) -> float:
@@ -45,17 +47,11 @@ def main() -> None:
     target = make_target(work, "qwen3", num_layers=4)
     dataset = write_save_to_disk(make_rows(args.rows, seed=3, min_len=8, max_len=200, vocab=200), work / "ds")
     cache, run = work / "cache", work / "run"
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={args.nproc}",
-    ]
+    launch = torchrun(args.nproc)
     _run(
         f"extract on {args.nproc} processes",
         [
-            *torchrun,
+            *launch,
             "-m",
             "dflash.extract.cli",
             "--target",
@@ -80,33 +76,31 @@ def main() -> None:
     _run(
         f"train on {args.nproc} processes",
         [
-            *torchrun,
+            *launch,
             "-m",
             "dflash.train.cli",
-            "--preset",
-            "tiny",
-            "--cache",
-            str(cache),
-            "--out",
-            str(run),
-            "--device",
-            args.device,
-            "--num-draft-layers",
-            "2",
-            "--target-layer-ids",
-            "1,2",
-            "--max-steps",
-            str(args.steps),
-            "--eval-every",
-            "10",
-            "--save-every",
-            "10",
-            "--no-progress",
-            "--mask-token-id",
-            "255",
+            *tiny_train_argv(
+                cache,
+                run,
+                "--device",
+                args.device,
+                "--num-draft-layers",
+                "2",
+                "--target-layer-ids",
+                "1,2",
+                "--max-steps",
+                str(args.steps),
+                "--eval-every",
+                "10",
+                "--save-every",
+                "10",
+                "--no-progress",
+                "--mask-token-id",
+                "255",
+            ),
         ],
     )
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(run)
     last = [x for x in lines if "loss" in x][-1]
     print(
         f"steps {last['step']}  loss {last['loss']:.3f}  tau {[x['tau'] for x in lines if 'tau' in x][-1]:.2f}"

@@ -12,6 +12,7 @@ Precedence when several apply: empty, then overlong (skip policy), then no_super
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,26 +86,19 @@ def validate(
     lengths = ds.list_lengths
 
     if ds.seq_len_column is not None:
-        bad = np.flatnonzero(ds.seq_len_column != lengths)
-        if len(bad):
-            r = int(bad[0])
-            _fail(
-                names.seq_len,
-                r,
-                f"says {int(ds.seq_len_column[r])} but {names.input_ids} has {int(lengths[r])} tokens",
-                bad,
-            )
-
-    mask_lengths = np.concatenate([c.lengths() for c in ds.loss_mask]) if ds.loss_mask else lengths
-    bad = np.flatnonzero(mask_lengths != lengths)
-    if len(bad):
-        r = int(bad[0])
-        _fail(
-            names.loss_mask,
-            r,
-            f"has {int(mask_lengths[r])} values but {names.input_ids} has {int(lengths[r])}",
-            bad,
+        _check_counts(
+            names.seq_len,
+            ds.seq_len_column,
+            lengths,
+            lambda says, tokens: f"says {says} but {names.input_ids} has {tokens} tokens",
         )
+    mask_lengths = np.concatenate([c.lengths() for c in ds.loss_mask]) if ds.loss_mask else lengths
+    _check_counts(
+        names.loss_mask,
+        mask_lengths,
+        lengths,
+        lambda values, tokens: f"has {values} values but {names.input_ids} has {tokens}",
+    )
 
     _check_token_ids(ds, vocab_size)
 
@@ -149,6 +143,17 @@ def _fail(column: str, row: int, problem: str, rows: np.ndarray, hint: str = "")
     elif len(others) > 2:
         also = f" (also rows {others[0]}, {others[1]} and {len(others) - 2} more)"
     raise DatasetError(f"column {column!r}: row {row} {problem}{also}{hint}")
+
+
+def _check_counts(
+    column: str, counts: np.ndarray, lengths: np.ndarray, problem: Callable[[int, int], str]
+) -> None:
+    """Fail on the rows where `column`'s per-row count disagrees with the token count; `problem` words the
+    first one from (its count, its token count)."""
+    bad = np.flatnonzero(counts != lengths)
+    if len(bad):
+        r = int(bad[0])
+        _fail(column, r, problem(int(counts[r]), int(lengths[r])), bad)
 
 
 def _check_nulls(chunks: list[ListChunk], row_starts: np.ndarray, column: str) -> None:

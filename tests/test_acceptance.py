@@ -11,14 +11,9 @@ from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
+from tests.common.tiny_shapes import tiny_target
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: thread hand-offs cost more than the math, and the CI box runs tests in parallel.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_accepted_prefix_lengths() -> None:
@@ -54,16 +49,13 @@ def _tiny_target_data(num_seqs: int, prompt: int, new: int, seed: int):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(
-        vocab_size=48,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rope_theta=1e4,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
+        **tiny_target(
+            vocab_size=48,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            rope_theta=1e4,
+            tie_word_embeddings=False,
+        )
     )
     target = transformers.Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():

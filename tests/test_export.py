@@ -16,15 +16,11 @@ from dflash.train.model import DFlashDrafter, DrafterConfig
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-TARGET = dict(
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+from tests.common.tiny_shapes import tiny_target
+
+TARGET = tiny_target(
     head_dim=16,
-    intermediate_size=48,
-    vocab_size=64,
     num_hidden_layers=10,
-    rope_theta=1e6,
     rms_norm_eps=1e-5,
     max_position_embeddings=512,
     bos_token_id=3,
@@ -71,12 +67,7 @@ LAYER_NAMES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

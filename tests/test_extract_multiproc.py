@@ -9,41 +9,27 @@ import time
 from pathlib import Path
 
 import pytest
-from dflash.extract.pipeline import run_extraction
 from dflash.extract.units import LOCK_NAME, CacheLocked, RankInfo, RunLocks
 from dflash.shards.manifest import load_manifest
 from dflash.shards.reader import Cache
 from dflash.shards.verify import verify_cache
 
-from tests.common.extract import Launcher, make_config, shard_bytes, tiny_rows, write_dataset
-from tests.common.targets import make_target
+from tests.common.extract import Launcher, reference_setup, shard_bytes, tiny_rows
 
 UNIT_BYTES = 6 << 10
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("multi")
-    target = make_target(root, "qwen3")
-    dataset = write_dataset(root, tiny_rows(80, seed=4, max_len=40), rows_per_batch=30)
-    reference = root / "reference"
-    result = run_extraction(make_config(target, dataset, reference, unit_bytes=UNIT_BYTES, token_budget=128))
+    paths, result = reference_setup(
+        tmp_path_factory.mktemp("multi"),
+        tiny_rows(80, seed=4, max_len=40),
+        rows_per_batch=30,
+        unit_bytes=UNIT_BYTES,
+    )
     assert result.complete and result.units_total >= 4
     launcher = Launcher()
-    yield {
-        "root": root,
-        "target": target,
-        "dataset": dataset,
-        "reference": reference,
-        "launcher": launcher,
-        "spec": {
-            "target": str(target),
-            "dataset": str(dataset),
-            "unit_bytes": UNIT_BYTES,
-            "token_budget": 128,
-            "json": True,
-        },
-    }
+    yield {**paths, "launcher": launcher}
     launcher.close()
 
 

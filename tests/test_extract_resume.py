@@ -10,13 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from dflash.extract.pipeline import run_extraction
 from dflash.shards.manifest import load_manifest
 from dflash.shards.reader import Cache, ShardReader
 from dflash.shards.verify import verify_cache
 
-from tests.common.extract import Launcher, make_config, shard_bytes, tiny_rows, write_dataset
-from tests.common.targets import make_target
+from tests.common.extract import Launcher, reference_setup, shard_bytes, tiny_rows
 
 UNIT_BYTES = 6 << 10  # ~20 shards for this dataset: kills land inside and between shard commits
 DELAY_S = 0.03  # per batch, so a run lasts long enough for kills to land mid-run
@@ -30,27 +28,21 @@ def committed_shards_are_whole(cache: Path) -> None:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("resume")
-    target = make_target(root, "qwen3")
-    dataset = write_dataset(root, tiny_rows(160, seed=3, max_len=48), rows_per_batch=50)
-    reference = root / "reference"
-    result = run_extraction(make_config(target, dataset, reference, unit_bytes=UNIT_BYTES, token_budget=128))
+    paths, result = reference_setup(
+        tmp_path_factory.mktemp("resume"),
+        tiny_rows(160, seed=3, max_len=48),
+        rows_per_batch=50,
+        unit_bytes=UNIT_BYTES,
+    )
     assert result.complete and result.units_total >= 10
-    return {"root": root, "target": target, "dataset": dataset, "reference": reference}
+    return paths
 
 
 def test_sigkill_at_random_moments_then_resume(setup: dict) -> None:
     rng = random.Random(1234)
     out = setup["root"] / "killed"
     log = str(setup["root"] / "children.log")
-    spec = {
-        "target": str(setup["target"]),
-        "dataset": str(setup["dataset"]),
-        "out": str(out),
-        "unit_bytes": UNIT_BYTES,
-        "token_budget": 128,
-        "json": True,
-    }
+    spec = {**setup["spec"], "out": str(out)}
     launcher = Launcher()
     shards = out / "shards"
     total = len(list((setup["reference"] / "shards").iterdir()))

@@ -11,14 +11,9 @@ from dflash.train.loss import LossStats, drafter_loss, linear_cross_entropy
 from dflash.train.mask import build_attention_mask
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
+from tests.common.tiny_shapes import tiny_target
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: thread hand-offs cost more than the math, and CI runs test files in parallel.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _naive(hidden, weight, labels, weights, normalizer=None):
@@ -69,17 +64,7 @@ def test_zero_weights_give_zero_loss_and_gradient() -> None:
         linear_cross_entropy(hidden, torch.randn(10, 8), torch.zeros(6, dtype=torch.long), torch.ones(6))
 
 
-TARGET = dict(
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    vocab_size=80,
-    num_hidden_layers=6,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-)
+TARGET = tiny_target(vocab_size=80)
 
 
 def test_drafter_loss_trains_slot_k_toward_the_token_at_anchor_plus_k() -> None:

@@ -14,29 +14,12 @@ from dflash.train.mask import build_attention_mask
 from dflash.train.model import DFlashDrafter, DrafterConfig
 from safetensors.torch import save_file
 
-TARGET = dict(
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    vocab_size=96,
-    num_hidden_layers=8,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+from tests.common.tiny_shapes import tiny_target
+
+TARGET = tiny_target(intermediate_size=64, vocab_size=96, num_hidden_layers=8, bos_token_id=1, eos_token_id=2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: thread hand-offs cost more than the math, and CI runs test files in parallel.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from dflash.train.export import load_drafter
 from dflash.train.metrics import read_metrics
 
 from tests.common.fake_cache import corrupt_sample, write_fake_cache
+from tests.common.train_cli import tiny_train_argv
 
 
 def test_paper_recipe_defaults() -> None:
@@ -83,13 +84,9 @@ def test_unknown_config_key(tmp_path: Path, capsys) -> None:
 def test_train_then_export_any_checkpoint(tmp_path: Path, capsys) -> None:
     cache = write_fake_cache(tmp_path / "cache", num_samples=30, samples_per_shard=10)
     run = tmp_path / "run"
-    argv = [
-        "--preset",
-        "tiny",
-        "--cache",
-        str(cache),
-        "--out",
-        str(run),
+    argv = tiny_train_argv(
+        cache,
+        run,
         "--max-steps",
         "4",
         "--save-every",
@@ -102,7 +99,7 @@ def test_train_then_export_any_checkpoint(tmp_path: Path, capsys) -> None:
         "1,3",
         "--num-draft-layers",
         "2",
-    ]
+    )
     assert cli.main(argv) == 0
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
     assert cli.main(["export", str(run), "--out", str(tmp_path / "e2"), "--step", "2"]) == 0

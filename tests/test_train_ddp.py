@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from collections import Counter
 from pathlib import Path
@@ -16,6 +15,7 @@ from dflash.train.data_plan import heldout_mask
 from dflash.train.metrics import read_metrics
 
 from tests.common.fake_cache import write_fake_cache
+from tests.common.train_cli import tiny_train_argv, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,29 +44,22 @@ def test_two_gloo_ranks_split_each_epoch(tmp_path: Path) -> None:
     script.write_text(_RECORDER)
     env = {**os.environ, "ROWS_DIR": str(rows_dir), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
+        *torchrun(2),
         str(script),
-        "--preset",
-        "tiny",
-        "--cache",
-        str(cache),
-        "--out",
-        str(run),
-        "--epochs",
-        "2",
-        "--eval-every",
-        "3",
-        "--save-every",
-        "3",
-        "--no-tensorboard",
-        "--no-plots",
-        "--device",
-        "cpu",
+        *tiny_train_argv(
+            cache,
+            run,
+            "--epochs",
+            "2",
+            "--eval-every",
+            "3",
+            "--save-every",
+            "3",
+            "--no-tensorboard",
+            "--no-plots",
+            "--device",
+            "cpu",
+        ),
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -122,6 +122,16 @@ def write_hf_dataset(rows: list[Row], path: Path, *, num_shards: int = 2) -> Pat
     return Path(path)
 
 
+def _file_paths(path: Path, num_files: int, suffix: str) -> list[Path]:
+    """`path` itself when one file is asked for and `path` ends in `suffix`, else numbered parts inside the
+    directory `path`; parent directories are created."""
+    if num_files == 1 and path.suffix == suffix:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return [path]
+    path.mkdir(parents=True, exist_ok=True)
+    return [path / f"part-{k:03d}{suffix}" for k in range(num_files)]
+
+
 def write_arrow(
     rows: list[Row],
     path: Path,
@@ -134,12 +144,7 @@ def write_arrow(
     """Arrow IPC: one file at `path` when num_files == 1 and path ends in .arrow, else a directory of files."""
     path = Path(path)
     table = to_table(rows, **table_kw)
-    if num_files == 1 and path.suffix == ".arrow":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        targets = [path]
-    else:
-        path.mkdir(parents=True, exist_ok=True)
-        targets = [path / f"part-{k:03d}.arrow" for k in range(num_files)]
+    targets = _file_paths(path, num_files, ".arrow")
     for target, part in zip(targets, _split(table, num_files), strict=True):
         opener = pa.ipc.new_stream if stream else pa.ipc.new_file
         with pa.OSFile(str(target), "wb") as sink, opener(sink, table.schema) as writer:
@@ -156,12 +161,7 @@ def write_parquet(
 
     path = Path(path)
     table = to_table(rows, **table_kw)
-    if num_files == 1 and path.suffix == ".parquet":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        targets = [path]
-    else:
-        path.mkdir(parents=True, exist_ok=True)
-        targets = [path / f"part-{k:03d}.parquet" for k in range(num_files)]
+    targets = _file_paths(path, num_files, ".parquet")
     for target, part in zip(targets, _split(table, num_files), strict=True):
         pq.write_table(part, str(target), row_group_size=row_group_size)
     return path

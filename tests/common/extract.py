@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from dflash.extract.config import ExtractConfig
+from dflash.extract.result import ExtractResult
 from dflash.shards.reader import SHARDS_DIR, Cache
 
 from tests.common.datasets import make_rows, write_save_to_disk
@@ -37,6 +39,33 @@ def make_config(
     if unit_bytes is not None:
         cfg.unit_bytes = unit_bytes
     return cfg
+
+
+def reference_setup(
+    root: Path, rows: list, *, rows_per_batch: int, unit_bytes: int, token_budget: int = 128
+) -> tuple[dict[str, Any], ExtractResult]:
+    """A tiny qwen3 target and a dataset of `rows` under `root`, extracted once, uninterrupted, into
+    root/reference: what interrupted and multi-process runs on the same inputs must reproduce.
+
+    Returns the paths (root, target, dataset, reference) plus `spec`, the Launcher spec for runs on the
+    same inputs (add "out"), and the reference run's result."""
+    from dflash.extract.pipeline import run_extraction
+
+    from tests.common.targets import make_target
+
+    target = make_target(root, "qwen3")
+    dataset = write_dataset(root, rows, rows_per_batch=rows_per_batch)
+    reference = root / "reference"
+    config = make_config(target, dataset, reference, unit_bytes=unit_bytes, token_budget=token_budget)
+    result = run_extraction(config)
+    spec = {
+        "target": str(target),
+        "dataset": str(dataset),
+        "unit_bytes": unit_bytes,
+        "token_budget": token_budget,
+        "json": True,
+    }
+    return {"root": root, "target": target, "dataset": dataset, "reference": reference, "spec": spec}, result
 
 
 def shard_bytes(cache_dir: Path) -> dict[str, bytes]:

@@ -1,0 +1,16 @@
+"""How tests and smoke scripts start `dflash-train`: the tiny-preset argument list and the torchrun prefix."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def tiny_train_argv(cache: Path, out: Path, *options: str) -> list[str]:
+    """`dflash-train` arguments: the tiny preset on `cache`, writing the run to `out`, then `options`."""
+    return ["--preset", "tiny", "--cache", str(cache), "--out", str(out), *options]
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The command prefix that starts `nproc` local processes (single node, rendezvous on localhost)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]

@@ -18,28 +18,11 @@ from dflash.train.model import DFlashDrafter, DrafterConfig
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-TARGET = dict(
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    vocab_size=64,
-    num_hidden_layers=6,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=256,
-)
+from tests.common.tiny_shapes import tiny_target
+
+TARGET = tiny_target()
 B = 4
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: thread hand-offs cost more than the math, and CI runs test files in parallel.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _pack(lengths, num_anchors=3, seed=0, pad=1, k=2):

@@ -1,0 +1,122 @@
+"""The demo's training config and its two evaluations: the untrained drafter and the exported one.
+
+`untrained_drafter` rebuilds exactly the step-0 weights `trainer.train` starts from (same config, same
+`torch.manual_seed(seed)` before construction), so `tau_before` is the trained run's own starting point.
+`evaluate_drafter` runs the trainer's evaluation (`train.evaluate`) with the run's settings, so both
+taus are measured on the same held-out rows and the same seeded anchors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflash.train.config import TrainConfig
+    from dflash.train.model import DFlashDrafter
+
+    from .demo import DemoSize
+
+
+def make_train_config(cache: Path, run: Path, spec: DemoSize, *, seed: int) -> TrainConfig:
+    """The `TrainConfig` of the demo: every cached layer feeds the drafter, one loader thread, no TensorBoard."""
+    from dflash.train.config import config_from_flat
+
+    return config_from_flat(
+        {
+            "cache": str(cache),
+            "out": str(run),
+            "seed": seed,
+            "device": "cpu",
+            "num_draft_layers": spec.num_draft_layers,
+            "target_layer_ids": _cached_layers(cache),
+            "block_size": spec.block_size,
+            "num_anchors": spec.num_anchors,
+            "token_budget": spec.token_budget,
+            "max_length": spec.max_length,
+            "loader_threads": 1,
+            "prefetch_batches": 2,
+            "shuffle_window": 256,
+            "eval_fraction": spec.eval_fraction,
+            "eval_samples": spec.eval_samples,
+            "epochs": 10**6,  # the step budget ends the run, whatever the data size
+            "max_steps": spec.train_steps,
+            "lr": spec.lr,
+            "warmup_frac": 0.05,
+            "eval_every": spec.eval_every,
+            "save_every": 0,  # the final checkpoint only
+            "log_every": 10,
+            "keep_checkpoints": 1,
+            "tensorboard": False,
+            "progress": False,
+        }
+    )
+
+
+def _cached_layers(cache: Path) -> list[int]:
+    from dflash.shards import Cache
+
+    with Cache.open(cache) as opened:
+        return list(opened.layers)
+
+
+def untrained_drafter(cfg: TrainConfig) -> DFlashDrafter:
+    """The drafter the trainer starts from: same config and same seeded init (`torch.manual_seed(seed)`,
+    then construction, as `trainer.train` does), built without touching the caller's RNG state."""
+    import torch
+    from dflash.train.frozen import load_frozen_target
+    from dflash.train.model import DFlashDrafter, DrafterConfig
+
+    frozen = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
+    drafter_cfg = DrafterConfig.from_target_config(
+        frozen.config,
+        mask_token_id=frozen.mask_token_id,
+        num_hidden_layers=cfg.drafter.num_draft_layers,
+        block_size=cfg.drafter.block_size,
+        target_layer_ids=cfg.drafter.target_layer_ids,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return DFlashDrafter(drafter_cfg)
+
+
+def evaluate_drafter(drafter: DFlashDrafter | str | Path, cfg: TrainConfig) -> dict[str, Any]:
+    """The trainer's evaluation (held-out rows, seeded anchors, decode walk) of a drafter or an exported dir."""
+    import torch
+    from dflash.shards import Cache
+    from dflash.train.evaluate import build_eval_set, evaluate
+    from dflash.train.export import load_drafter
+    from dflash.train.frozen import load_frozen_target
+
+    if isinstance(drafter, (str, Path)):
+        drafter = load_drafter(drafter, dtype=torch.float32)
+    frozen = load_frozen_target(cfg.cache, mask_token_id=drafter.config.mask_token_id, dtype=torch.float32)
+    with Cache.open(cfg.cache) as cache:
+        eval_set = build_eval_set(
+            cache,
+            max_samples=cfg.data.eval_samples,
+            token_budget=cfg.data.token_budget,
+            max_length=cfg.data.max_length,
+            heldout_fraction=cfg.data.eval_fraction,
+            heldout_rows=frozenset(),
+        )
+        result = evaluate(
+            drafter,
+            frozen,
+            cache,
+            eval_set,
+            layer_ids=drafter.config.target_layer_ids,
+            block_size=cfg.drafter.block_size,
+            mask_token_id=drafter.config.mask_token_id,
+            num_anchors=cfg.drafter.num_anchors,
+            gamma=cfg.drafter.loss_gamma,
+            max_length=cfg.data.max_length,
+            seed=cfg.seed,
+            device=torch.device("cpu"),
+            threads=cfg.data.loader_threads,
+        )
+    if "tau" not in result:
+        raise ValueError(
+            f"{cfg.cache}: no held-out rows to evaluate on; raise eval_fraction or the prompt count"
+        )
+    return result

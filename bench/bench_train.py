@@ -148,23 +148,15 @@ def loader_ceiling(
     """Loader alone (no model): sequence tokens/s delivered on the device, plus batch statistics."""
     from dflash.shards import Cache
 
-    loader = StreamingLoader(
+    loader = StreamingLoader.for_run(
         Cache.open(cfg.cache),
-        layer_ids=drafter.target_layer_ids,
-        block_size=cfg.drafter.block_size,
-        mask_token_id=drafter.mask_token_id,
-        num_anchors=cfg.drafter.num_anchors,
-        gamma=cfg.drafter.loss_gamma,
-        token_budget=cfg.data.token_budget,
-        max_length=cfg.data.max_length,
-        shuffle_window=cfg.data.shuffle_window,
+        cfg,
+        drafter,
+        device=device,
         loader_threads=threads,
         prefetch_batches=max(cfg.data.prefetch_batches, 2 * threads),
         on_corrupt="fail",
-        heldout_fraction=cfg.data.eval_fraction,
-        seed=cfg.seed,
         epochs=1000,
-        device=device,
     )
     tokens = batches = 0
     stats = {"context": 0, "blocks": 0, "pairs": 0}

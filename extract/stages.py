@@ -102,8 +102,10 @@ class WorkBatch:
     last_in_unit: bool
     rows: np.ndarray  # int64 [B]
     lengths: np.ndarray  # int64 [B]
-    input_ids: torch.Tensor  # [B, T] host
-    attention_mask: torch.Tensor  # [B, T] host
+    input_ids: torch.Tensor  # int32 [B, T] host; widened to int64 on the device
+    host_lengths: (
+        torch.Tensor
+    )  # int64 [B] host (pinned on CUDA): the attention mask is built from it on the device
     loss_mask: torch.Tensor  # [B, T] host
     select: torch.Tensor  # int64 [N] flat indexes of the real tokens in [B*T]
     # Filled by the GPU stage:
@@ -148,15 +150,11 @@ def load_batches(
     for unit, batches in units:
         for j, batch in enumerate(batches):
             with clock.timing("busy"):
-                n = batch.size * batch.padded_len
-                buffers = GatherBuffers(
-                    input_ids=torch.empty(n, dtype=torch.int64, pin_memory=pin),
-                    attention_mask=torch.empty(n, dtype=torch.int64, pin_memory=pin),
-                    loss_mask=torch.empty(n, dtype=torch.uint8, pin_memory=pin),
-                    lengths=torch.empty(batch.size, dtype=torch.int64),
-                )
+                # int32 ids and no attention mask: half the host bytes to write and copy; GpuStep widens
+                # the ids and builds the mask after the H2D copy, so the target sees what it always did.
+                buffers = GatherBuffers.compact(batch.padded_tokens, batch.size, pin_memory=pin)
                 g = gather(ds, batch, buffers)
-                select = torch.from_numpy(np.flatnonzero(g.attention_mask.numpy().reshape(-1)))
+                select = torch.from_numpy(_token_positions(np.asarray(batch.lengths), batch.padded_len))
                 item = WorkBatch(
                     unit=unit,
                     first_in_unit=j == 0,
@@ -164,13 +162,21 @@ def load_batches(
                     rows=np.asarray(batch.rows),
                     lengths=np.asarray(batch.lengths),
                     input_ids=g.input_ids,
-                    attention_mask=g.attention_mask,
+                    host_lengths=g.lengths,
                     loss_mask=g.loss_mask,
                     select=select.pin_memory() if pin else select,
                 )
             with clock.timing("wait_out"):
                 out.put(item)
     out.put(None)
+
+
+def _token_positions(lengths: np.ndarray, padded_len: int) -> np.ndarray:
+    """Flat indexes in [B * padded_len] of each row's first lengths[i] positions (row-major), int64."""
+    total = int(lengths.sum())
+    packed_starts = np.cumsum(lengths) - lengths
+    row_starts = np.arange(lengths.size, dtype=np.int64) * padded_len
+    return np.arange(total, dtype=np.int64) + np.repeat(row_starts - packed_starts, lengths)
 
 
 class GpuStep:
@@ -193,15 +199,15 @@ class GpuStep:
     def __call__(self, item: WorkBatch) -> WorkBatch:
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
-                ids, mask, select = (
-                    self._to_device(t) for t in (item.input_ids, item.attention_mask, item.select)
+                ids, lengths, select = (
+                    self._to_device(t) for t in (item.input_ids, item.host_lengths, item.select)
                 )
             self.compute_stream.wait_stream(self.copy_stream)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.compute_stream)
         else:
-            ids, mask, select = item.input_ids, item.attention_mask, item.select
-        features = self._compute(ids, mask, select)
+            ids, lengths, select = item.input_ids, item.host_lengths, item.select
+        features = self._compute(ids, lengths, select)
         if not self.cuda:
             item.features = features
             return item
@@ -222,9 +228,12 @@ class GpuStep:
 
     @torch.inference_mode()
     def _compute(
-        self, ids: torch.Tensor, mask: torch.Tensor, select: torch.Tensor
+        self, ids: torch.Tensor, lengths: torch.Tensor, select: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        outs = self.target.capture(ids, mask)
+        # The target gets int64 ids and an int64 0/1 mask, exactly as an HF tokenizer would give it.
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        mask = (positions < lengths[:, None]).long()
+        outs = self.target.capture(ids.long(), mask)
         b, s, h = outs[0].shape
         packed = torch.empty((len(outs), select.numel(), h), dtype=outs[0].dtype, device=outs[0].device)
         for k, o in enumerate(outs):

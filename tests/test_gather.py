@@ -86,3 +86,27 @@ def test_too_small_buffer_is_refused(ds):
     buffers = GatherBuffers.numpy(9, 2)
     with pytest.raises(ValueError, match=r"input_ids buffer must be C-contiguous with >= 10 elements"):
         gather(ds, batch, buffers)
+
+
+def test_compact_buffers_hold_int32_ids_and_no_attention_mask(ds):
+    report = validate(ds, vocab_size=500, max_len=MAX_LEN)
+    batches = plan_batches(report.rows, report.lengths, token_budget=256, pad_multiple=8)
+    buffers = GatherBuffers.compact(max(b.padded_tokens for b in batches), max(b.size for b in batches))
+    for batch in batches[::-1]:  # shortest first: stale longer data in the padding tails must not leak
+        g = gather(ds, batch, buffers, pad_id=3)
+        assert g.attention_mask is None and g.input_ids.dtype == torch.int32
+        ids, lm = g.input_ids.numpy(), g.loss_mask.numpy()
+        for i, r in enumerate(batch.rows.tolist()):
+            n = int(batch.lengths[i])
+            np.testing.assert_array_equal(ids[i, :n], ROWS[r][0][:n])
+            np.testing.assert_array_equal(lm[i, :n], ROWS[r][1][:n])
+            assert (ids[i, n:] == 3).all() and (lm[i, n:] == 0).all()
+        np.testing.assert_array_equal(g.lengths.numpy(), batch.lengths)
+
+
+def test_token_positions_match_the_padded_mask():
+    from dflash.extract.stages import _token_positions
+
+    lengths = np.array([5, 0, 3, 8], np.int64)
+    mask = np.arange(8)[None, :] < lengths[:, None]
+    np.testing.assert_array_equal(_token_positions(lengths, 8), np.flatnonzero(mask))

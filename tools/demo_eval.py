@@ -84,7 +84,7 @@ def evaluate_drafter(drafter: DFlashDrafter | str | Path, cfg: TrainConfig) -> d
     """The trainer's evaluation (held-out rows, seeded anchors, decode walk) of a drafter or an exported dir."""
     import torch
     from dflash.shards import Cache
-    from dflash.train.evaluate import build_eval_set, evaluate
+    from dflash.train.evaluate import configured_eval_set, evaluate_configured
     from dflash.train.export import load_drafter
     from dflash.train.frozen import load_frozen_target
 
@@ -92,28 +92,9 @@ def evaluate_drafter(drafter: DFlashDrafter | str | Path, cfg: TrainConfig) -> d
         drafter = load_drafter(drafter, dtype=torch.float32)
     frozen = load_frozen_target(cfg.cache, mask_token_id=drafter.config.mask_token_id, dtype=torch.float32)
     with Cache.open(cfg.cache) as cache:
-        eval_set = build_eval_set(
-            cache,
-            max_samples=cfg.data.eval_samples,
-            token_budget=cfg.data.token_budget,
-            max_length=cfg.data.max_length,
-            heldout_fraction=cfg.data.eval_fraction,
-            heldout_rows=frozenset(),
-        )
-        result = evaluate(
-            drafter,
-            frozen,
-            cache,
-            eval_set,
-            layer_ids=drafter.config.target_layer_ids,
-            block_size=cfg.drafter.block_size,
-            mask_token_id=drafter.config.mask_token_id,
-            num_anchors=cfg.drafter.num_anchors,
-            gamma=cfg.drafter.loss_gamma,
-            max_length=cfg.data.max_length,
-            seed=cfg.seed,
-            device=torch.device("cpu"),
-            threads=cfg.data.loader_threads,
+        eval_set = configured_eval_set(cache, cfg)
+        result = evaluate_configured(
+            drafter, frozen, cache, eval_set, cfg, drafter.config, device=torch.device("cpu")
         )
     if "tau" not in result:
         raise ValueError(

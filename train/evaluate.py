@@ -22,11 +22,12 @@ from dflash.shards.errors import ShardError
 
 from .acceptance import accepted_lengths, decode_walk, walk_tau
 from .blocks import eligible_anchors, make_packed_batch
+from .config import TrainConfig
 from .data_plan import SampleRef, ShardEntries, eval_batches
 from .frozen import FrozenTarget
 from .loss import LossStats, drafter_loss
 from .mask import build_attention_mask
-from .model import DFlashDrafter
+from .model import DFlashDrafter, DrafterConfig
 
 _EVAL_ANCHOR_TAG = 0x4556
 _WALK_ANCHORS_PER_PASS = 1024
@@ -202,6 +203,49 @@ def evaluate(
         result["tau_walk"] = walk_tau(walk_steps)
         result["walk_steps"] = len(walk_steps)
     return {k: v for k, v in result.items() if not (isinstance(v, float) and math.isnan(v))}
+
+
+def configured_eval_set(
+    cache: Cache, cfg: TrainConfig, heldout_rows: frozenset[int] = frozenset()
+) -> EvalSet:
+    """The held-out set a run with `cfg` evaluates on (the same rows and batches every time)."""
+    return build_eval_set(
+        cache,
+        max_samples=cfg.data.eval_samples,
+        token_budget=cfg.data.token_budget,
+        max_length=cfg.data.max_length,
+        heldout_fraction=cfg.data.eval_fraction,
+        heldout_rows=heldout_rows,
+    )
+
+
+def evaluate_configured(
+    model: DFlashDrafter,
+    frozen: FrozenTarget,
+    cache: Cache,
+    eval_set: EvalSet,
+    cfg: TrainConfig,
+    drafter_cfg: DrafterConfig,
+    *,
+    device: torch.device,
+) -> dict[str, Any]:
+    """`evaluate` with the drafter's layers and mask token and the run's block, anchor and kernel settings."""
+    return evaluate(
+        model,
+        frozen,
+        cache,
+        eval_set,
+        layer_ids=drafter_cfg.target_layer_ids,
+        block_size=drafter_cfg.block_size,
+        mask_token_id=drafter_cfg.mask_token_id,
+        num_anchors=cfg.drafter.num_anchors,
+        gamma=cfg.drafter.loss_gamma,
+        max_length=cfg.data.max_length,
+        seed=cfg.seed,
+        device=device,
+        threads=cfg.data.loader_threads,
+        attention=cfg.attention,
+    )
 
 
 def _walk_one(

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -146,6 +146,44 @@ class StreamingLoader:
         self._state = {"epoch": 0, "next_index": 0, "skipped_samples": 0}
         self._open: OrderedDict[str, ShardReader] = OrderedDict()
         self._open_lock = threading.Lock()
+
+    @classmethod
+    def for_run(
+        cls,
+        cache: Cache,
+        cfg: TrainConfig,
+        drafter_cfg: DrafterConfig,
+        *,
+        heldout_rows: frozenset[int] = frozenset(),
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | None = None,
+        **overrides: Any,
+    ) -> StreamingLoader:
+        """The loader a run with `cfg` trains from: the drafter's layers and blocks, the run's data settings.
+
+        `overrides` replace single settings (benchmarks use them, e.g. `loader_threads`)."""
+        settings: dict[str, Any] = dict(
+            layer_ids=drafter_cfg.target_layer_ids,
+            block_size=drafter_cfg.block_size,
+            mask_token_id=drafter_cfg.mask_token_id,
+            num_anchors=cfg.drafter.num_anchors,
+            gamma=cfg.drafter.loss_gamma,
+            token_budget=cfg.data.token_budget,
+            max_length=cfg.data.max_length,
+            shuffle_window=cfg.data.shuffle_window,
+            loader_threads=cfg.data.loader_threads,
+            prefetch_batches=cfg.data.prefetch_batches,
+            on_corrupt=cfg.data.on_corrupt,
+            heldout_fraction=cfg.data.eval_fraction,
+            heldout_rows=heldout_rows,
+            seed=cfg.seed,
+            epochs=cfg.optim.epochs,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+        )
+        return cls(cache, **{**settings, **overrides})
 
     # --- position ------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from dflash.shards.manifest import PROVENANCE_FIELDS
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, config_from_flat, estimate_total_steps, lr_at
-from .evaluate import build_eval_set, evaluate
+from .evaluate import configured_eval_set, evaluate_configured
 from .export import export_drafter
 from .frozen import load_frozen_target
 from .loader import StreamingLoader, check_cache, resolve_layer_ids
@@ -100,23 +100,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         fused=device.type == "cuda" or None,
     )
     heldout_rows = _read_eval_rows(cfg.data.eval_rows)
-    loader = StreamingLoader(
+    loader = StreamingLoader.for_run(
         cache,
-        layer_ids=layer_ids,
-        block_size=cfg.drafter.block_size,
-        mask_token_id=drafter_cfg.mask_token_id,
-        num_anchors=cfg.drafter.num_anchors,
-        gamma=cfg.drafter.loss_gamma,
-        token_budget=cfg.data.token_budget,
-        max_length=cfg.data.max_length,
-        shuffle_window=cfg.data.shuffle_window,
-        loader_threads=cfg.data.loader_threads,
-        prefetch_batches=cfg.data.prefetch_batches,
-        on_corrupt=cfg.data.on_corrupt,
-        heldout_fraction=cfg.data.eval_fraction,
+        cfg,
+        drafter_cfg,
         heldout_rows=heldout_rows,
-        seed=cfg.seed,
-        epochs=cfg.optim.epochs,
         rank=info.rank,
         world_size=info.world_size,
         device=device,
@@ -262,30 +250,10 @@ def train(cfg: TrainConfig) -> TrainResult:
             # --- evaluate (rank 0; the others wait at the barrier)
             if do_eval:
                 if eval_set is None:
-                    eval_set = build_eval_set(
-                        cache,
-                        max_samples=cfg.data.eval_samples,
-                        token_budget=cfg.data.token_budget,
-                        max_length=cfg.data.max_length,
-                        heldout_fraction=cfg.data.eval_fraction,
-                        heldout_rows=heldout_rows,
-                    )
+                    eval_set = configured_eval_set(cache, cfg, heldout_rows)
                 if info.is_main:
-                    result = evaluate(
-                        model,
-                        frozen,
-                        cache,
-                        eval_set,
-                        layer_ids=layer_ids,
-                        block_size=cfg.drafter.block_size,
-                        mask_token_id=drafter_cfg.mask_token_id,
-                        num_anchors=cfg.drafter.num_anchors,
-                        gamma=cfg.drafter.loss_gamma,
-                        max_length=cfg.data.max_length,
-                        seed=cfg.seed,
-                        device=device,
-                        threads=cfg.data.loader_threads,
-                        attention=cfg.attention,
+                    result = evaluate_configured(
+                        model, frozen, cache, eval_set, cfg, drafter_cfg, device=device
                     )
                     last_record = {**last_record, "step": step, **result}
                     last_tau = result.get("tau", last_tau)

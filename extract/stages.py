@@ -103,9 +103,8 @@ class WorkBatch:
     rows: np.ndarray  # int64 [B]
     lengths: np.ndarray  # int64 [B]
     input_ids: torch.Tensor  # int32 [B, T] host; widened to int64 on the device
-    host_lengths: (
-        torch.Tensor
-    )  # int64 [B] host (pinned on CUDA): the attention mask is built from it on the device
+    # int64 [B] host (pinned on CUDA): GpuStep builds the attention mask from it on the device
+    host_lengths: torch.Tensor
     loss_mask: torch.Tensor  # [B, T] host
     select: torch.Tensor  # int64 [N] flat indexes of the real tokens in [B*T]
     # Filled by the GPU stage:

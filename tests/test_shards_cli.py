@@ -94,3 +94,14 @@ def test_verify_against_a_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[
         w.write_table(table)
     d = _json(capsys, ["verify", str(tmp_path / "c"), "--dataset", str(ds), "--json"], rc=1)
     assert d["problems"] == ["missing from the cache and not skipped: 1 rows (3)"]
+
+
+def test_plan_forwards_flags_to_the_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.common.datasets import make_rows, write_save_to_disk, write_target_config
+
+    dataset = write_save_to_disk(make_rows(30, seed=2, min_len=4, max_len=40, vocab=500), tmp_path / "ds")
+    target = write_target_config(tmp_path / "target", num_hidden_layers=8, hidden_size=64, vocab_size=512)
+    code = main(["plan", "--target", str(target), "--dataset", str(dataset), "--layers", "1,5", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rows"] + report["rows_skipped"] == 30 and report["batches"] >= 1

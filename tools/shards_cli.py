@@ -97,11 +97,13 @@ def _print_info(d: dict[str, Any]) -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "plan":
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        # Forwarded before parsing: argparse's REMAINDER drops a leading `--flag` inside a subcommand.
         from dflash.extract.cli import main as extract_main
 
-        return extract_main(["--dry-run", *args.args])
+        return extract_main(["--dry-run", *argv[1:]])
+    args = _parser().parse_args(argv)
     if args.command == "show" and args.row < 0:
         raise ValueError(f"ROW must be a dataset row id >= 0, got {args.row}")
     if args.command == "stats" and args.sample < 1:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _ANCHOR_TAG = 0x414E
-_MAX_OPEN_SHARDS = 64
 _END = object()
 
 
@@ -144,8 +142,6 @@ class StreamingLoader:
         self.bad_shards: dict[str, str] = {}
         self.corrupt_messages: list[str] = []
         self._state = {"epoch": 0, "next_index": 0, "skipped_samples": 0}
-        self._open: OrderedDict[str, ShardReader] = OrderedDict()
-        self._open_lock = threading.Lock()
 
     @classmethod
     def for_run(
@@ -198,25 +194,12 @@ class StreamingLoader:
             )
         self._state = {k: int(state[k]) for k in ("epoch", "next_index", "skipped_samples")}
 
-    # --- shard access ----------------------------------------------------------------------------
-
-    def _reader(self, name: str) -> ShardReader:
-        with self._open_lock:
-            reader = self._open.get(name)
-            if reader is not None:
-                self._open.move_to_end(name)
-                return reader
-        reader = ShardReader.open(self.cache.path / "shards" / name)
-        with self._open_lock:
-            self._open[name] = reader
-            while len(self._open) > _MAX_OPEN_SHARDS:  # tasks keep their own reference; GC closes the file
-                self._open.popitem(last=False)
-        return reader
+    # --- shard access (the cache keeps an LRU of open shards) ----------------------------------------
 
     def entries_of(self, name: str) -> ShardEntries:
         """A shard's index for the planner; an unreadable index skips the whole shard under `skip`."""
         try:
-            entries = self._reader(name).entries
+            entries = self.cache.shard(name).entries
         except (ShardError, OSError) as exc:
             if self.on_corrupt != "skip":
                 raise ShardError(f"{exc} (pass --on-corrupt skip to train without this shard)") from None
@@ -334,7 +317,7 @@ class StreamingLoader:
                 for e in range(epoch, self.epochs):
                     for job in self._plan(e, start if e == epoch else 0):
                         reads = [
-                            decode_pool.submit(self._read, ref, self._reader(ref.shard))
+                            decode_pool.submit(self._read, ref, self.cache.shard(ref.shard))
                             for ref in job.samples
                         ]
                         if not put(built, (job, build_pool.submit(self._build, job, reads))):

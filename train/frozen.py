@@ -21,6 +21,8 @@ import torch
 from dflash.shards.errors import ShardError
 from safetensors import safe_open
 
+from .model import decoder_config
+
 FROZEN_FILE = "frozen.safetensors"
 EMBED_KEY = "embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
@@ -56,8 +58,7 @@ class FrozenTarget:
 
     @property
     def num_layers(self) -> int:
-        text = self.config.get("text_config") or self.config
-        return int(text["num_hidden_layers"])
+        return int(decoder_config(self.config)["num_hidden_layers"])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.embed_weight)

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from .mask import AttentionMask
 
 
-def _text_config(target: dict[str, Any]) -> dict[str, Any]:
-    # Qwen3.5-style VLM wrappers keep the language model's settings under `text_config`.
+def decoder_config(target: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's settings: Qwen3.5-style VLM wrappers keep them under `text_config`, which wins."""
     inner = target.get("text_config")
     return {**target, **inner} if isinstance(inner, dict) else target
 
@@ -128,7 +128,7 @@ class DrafterConfig:
         **overrides: Any,
     ) -> DrafterConfig:
         """Copy width, heads, rope and vocab from the target's config.json (dict); `overrides` win."""
-        text = _text_config(target)
+        text = decoder_config(target)
         try:
             hidden = int(text["hidden_size"])
             heads = int(text["num_attention_heads"])

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common.synth import llm_like_layers, relative_error
-from dflash.shards.codecs import LosslessCodec, get_codec, quantize_fp8
+from dflash.shards.codecs import Codec, LosslessCodec, get_codec, quantize_fp8
 
 
 class _AlwaysZstd(LosslessCodec):
@@ -55,18 +55,28 @@ def bench(args: argparse.Namespace) -> list[dict]:
     raw = sum(x.numel() * 2 for x in layers)
     shape = (args.tokens, args.hidden)
     blocks = [quantize_fp8(x) for x in layers]
+    fp8 = get_codec("fp8")
+
+    def full(codec: Codec) -> Callable[[bytes], torch.Tensor]:
+        return lambda b: codec.decode(b, shape, "bfloat16")
+
+    def undecoded(b: bytes) -> torch.Tensor:
+        return fp8.decode_block(b, shape)  # what the trainer does on CUDA (it dequantizes on the GPU)
+
     cases = [
-        ("lossless", get_codec("lossless"), layers),
-        ("lossless-nozraw", _AlwaysZstd(), layers),
-        ("fp8", get_codec("fp8"), blocks),
-        ("fp8+quant", get_codec("fp8"), layers),
+        ("lossless", get_codec("lossless"), layers, None),
+        ("lossless-nozraw", _AlwaysZstd(), layers, None),
+        ("fp8", fp8, blocks, None),
+        ("fp8+quant", fp8, layers, None),
+        ("fp8-undecoded", fp8, blocks, undecoded),
     ]
     results = []
-    for name, codec, inputs in cases:
+    for name, codec, inputs, decode in cases:
+        decode = decode or full(codec)
         frames = [codec.encode(x) for x in inputs]
         enc_s = _best_time(lambda c=codec, i=inputs: [c.encode(x) for x in i], args.repeat)
-        dec_s = _best_time(lambda c=codec, f=frames: [c.decode(b, shape, "bfloat16") for b in f], args.repeat)
-        decoded = [codec.decode(b, shape, "bfloat16") for b in frames]
+        dec_s = _best_time(lambda d=decode, f=frames: [d(b) for b in f], args.repeat)
+        decoded = [full(codec)(b) for b in frames]
         err = max(relative_error(d, x) for d, x in zip(decoded, layers, strict=True))
         row = {
             "codec": name,
@@ -80,10 +90,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
             wframes = frames * args.threads
             enc1 = _threaded(lambda i, c=codec, w=work: c.encode(w[i]), len(work), 1)
             encn = _threaded(lambda i, c=codec, w=work: c.encode(w[i]), len(work), args.threads)
-            dec1 = _threaded(lambda i, c=codec, w=wframes: c.decode(w[i], shape, "bfloat16"), len(work), 1)
-            decn = _threaded(
-                lambda i, c=codec, w=wframes: c.decode(w[i], shape, "bfloat16"), len(work), args.threads
-            )
+            dec1 = _threaded(lambda i, d=decode, w=wframes: d(w[i]), len(work), 1)
+            decn = _threaded(lambda i, d=decode, w=wframes: d(w[i]), len(work), args.threads)
             row[f"encode_scaling_{args.threads}t"] = enc1 / encn
             row[f"decode_scaling_{args.threads}t"] = dec1 / decn
         results.append(row)

@@ -26,11 +26,12 @@ from tests.common.train_cli import tiny_train_argv, torchrun
 
 
 def _run(what: str, cmd: list[str]) -> float:
+    print(f"{what}: starting", flush=True)
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # Output streams through (not captured), so a run stopped by a timeout still shows how far it got.
+    proc = subprocess.run(cmd)
     seconds = time.perf_counter() - t
     if proc.returncode != 0:
-        print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n")
         raise SystemExit(f"{what}: failed with exit code {proc.returncode}")
     print(f"{what}: ok in {seconds:.1f} s")
     return seconds
@@ -42,6 +43,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=400)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--attention", default="auto", choices=["auto", "dense", "flex"])
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="dflash-multi-"))
     target = make_target(work, "qwen3", num_layers=4)
@@ -84,6 +86,8 @@ def main() -> None:
                 run,
                 "--device",
                 args.device,
+                "--attention",
+                args.attention,
                 "--num-draft-layers",
                 "2",
                 "--target-layer-ids",

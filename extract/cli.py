@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="compute dtype of the target")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modeling code")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA, torch.compile the target's attention, MLP and norms (+5-11%% tokens/s on an H200; "
+        "~30-60 s before the first batch; falls back to eager if compiling fails)",
+    )
     p.add_argument("--force", action="store_true", help="skip the free-disk-space pre-flight check")
     p.add_argument(
         "--encode-threads", type=int, default=None, help="codec threads (default: from the CPU count)"
@@ -134,6 +141,7 @@ def config_from_args(argv: Sequence[str] | None) -> ExtractConfig:
         dtype=args.dtype,
         device=args.device,
         trust_remote_code=args.trust_remote_code,
+        compile=args.compile,
         force=args.force,
         dry_run=args.dry_run,
         json=args.json,

@@ -89,6 +89,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"
     device: str = "auto"
     trust_remote_code: bool = False
+    compile: bool = True  # CUDA only: torch.compile the target's layer parts (same math, faster)
     force: bool = False
     dry_run: bool = False
     json: bool = False

@@ -337,6 +337,8 @@ def run_extraction(
                         dtype=s.dtype,
                         trust_remote_code=config.trust_remote_code,
                     )
+                for what in target.speed_up(compile=config.compile):
+                    log.info("target forward: %s", what)
                 t, cpu = time.perf_counter(), time.process_time()
                 _run_units(s, target, mine, stats, show_progress=rank.rank == 0)
                 extract_s += time.perf_counter() - t

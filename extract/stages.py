@@ -103,8 +103,6 @@ class WorkBatch:
     rows: np.ndarray  # int64 [B]
     lengths: np.ndarray  # int64 [B]
     input_ids: torch.Tensor  # int32 [B, T] host; widened to int64 on the device
-    # int64 [B] host (pinned on CUDA): GpuStep builds the attention mask from it on the device
-    host_lengths: torch.Tensor
     loss_mask: torch.Tensor  # [B, T] host
     select: torch.Tensor  # int64 [N] flat indexes of the real tokens in [B*T]
     # Filled by the GPU stage:
@@ -150,7 +148,7 @@ def load_batches(
         for j, batch in enumerate(batches):
             with clock.timing("busy"):
                 # int32 ids and no attention mask: half the host bytes to write and copy; GpuStep widens
-                # the ids and builds the mask after the H2D copy, so the target sees what it always did.
+                # the ids after the H2D copy, and right-padded rows need no mask (extract.target).
                 buffers = GatherBuffers.compact(batch.padded_tokens, batch.size, pin_memory=pin)
                 g = gather(ds, batch, buffers)
                 select = torch.from_numpy(_token_positions(np.asarray(batch.lengths), batch.padded_len))
@@ -161,7 +159,6 @@ def load_batches(
                     rows=np.asarray(batch.rows),
                     lengths=np.asarray(batch.lengths),
                     input_ids=g.input_ids,
-                    host_lengths=g.lengths,
                     loss_mask=g.loss_mask,
                     select=select.pin_memory() if pin else select,
                 )
@@ -198,15 +195,13 @@ class GpuStep:
     def __call__(self, item: WorkBatch) -> WorkBatch:
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
-                ids, lengths, select = (
-                    self._to_device(t) for t in (item.input_ids, item.host_lengths, item.select)
-                )
+                ids, select = (self._to_device(t) for t in (item.input_ids, item.select))
             self.compute_stream.wait_stream(self.copy_stream)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.compute_stream)
         else:
-            ids, lengths, select = item.input_ids, item.host_lengths, item.select
-        features = self._compute(ids, lengths, select)
+            ids, select = item.input_ids, item.select
+        features = self._compute(ids, select)
         if not self.cuda:
             item.features = features
             return item
@@ -226,13 +221,8 @@ class GpuStep:
         return item
 
     @torch.inference_mode()
-    def _compute(
-        self, ids: torch.Tensor, lengths: torch.Tensor, select: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        # The target gets int64 ids and an int64 0/1 mask, exactly as an HF tokenizer would give it.
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        mask = (positions < lengths[:, None]).long()
-        outs = self.target.capture(ids.long(), mask)
+    def _compute(self, ids: torch.Tensor, select: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = self.target.capture(ids.long())
         b, s, h = outs[0].shape
         packed = torch.empty((len(outs), select.numel(), h), dtype=outs[0].dtype, device=outs[0].device)
         for k, o in enumerate(outs):

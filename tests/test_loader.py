@@ -158,3 +158,20 @@ def test_explicit_eval_rows_never_reach_training(cache_dir: Path) -> None:
     items = _collect(_loader(cache_dir, heldout_fraction=0.0, heldout_rows=held, epochs=1))
     rows = [r for b, _ in items for r in b.rows]
     assert sorted(rows) == sorted(set(range(48)) - held)
+
+
+def test_fp8_batches_dequantized_after_the_copy_equal_the_cpu_decode(tmp_path: Path) -> None:
+    """fp8 read undecoded, packed as bits + scales and dequantized "on the device" gives the same bf16 bits
+    as the codec's CPU decode, batch for batch (max_length truncates some samples: Fp8Block slicing)."""
+    cache = write_fake_cache(tmp_path / "fp8", num_samples=24, samples_per_shard=8, codec="fp8", max_len=50)
+    on_host = _collect(_loader(cache, dequantize_on_device=False, epochs=1))
+    on_device = _collect(_loader(cache, dequantize_on_device=True, epochs=1))
+    assert len(on_host) == len(on_device) > 1
+    for (a, _), (b, _) in zip(on_host, on_device, strict=True):
+        assert a.rows == b.rows and b.batch.feature_scales is None
+        assert b.batch.features.dtype == torch.bfloat16
+        assert torch.equal(a.batch.features.view(torch.int16), b.batch.features.view(torch.int16))
+    loader = _loader(cache, dequantize_on_device=True)
+    assert loader.fp8_on_device
+    filler = loader._filler()
+    assert all(f.q.dtype == torch.uint8 for f in filler.hidden.values())

@@ -31,8 +31,10 @@ def _right_padded(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_captured_layers_equal_unpadded_reference(targets: dict, kind: str) -> None:
+def test_captured_layers_equal_unpadded_reference(targets: dict, kind: str, masked: bool) -> None:
+    """Right-padded rows give each row's own outputs, with or without a mask (extraction runs without)."""
     path = targets[kind]
     layer_ids = [0, 1, 2]  # the reference cannot give the last layer's raw output, see below
     target = load_target(path, layer_ids)
@@ -40,7 +42,7 @@ def test_captured_layers_equal_unpadded_reference(targets: dict, kind: str) -> N
     reference = load_reference(path)
     lengths = [13, 5, 9, 1]
     ids, mask = _right_padded(lengths, seed=1)
-    outs = target.capture(ids, mask)
+    outs = target.capture(ids, mask if masked else None)
     assert [tuple(o.shape) for o in outs] == [(4, 13, 64)] * 3
     for b, n in enumerate(lengths):
         expected = reference_layer_outputs(reference, ids[b, :n], layer_ids)
@@ -49,6 +51,38 @@ def test_captured_layers_equal_unpadded_reference(targets: dict, kind: str) -> N
             assert diff <= 1e-5, f"{kind} row {b} layer {layer_ids[k]}: max abs diff {diff}"
     # Outputs are real layer outputs, not the embeddings or each other.
     assert (outs[0] - outs[2]).abs().max() > 1e-2
+
+
+class _Broken(torch.nn.Module):
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("simulated compiler failure")
+
+
+def test_failed_compiled_forward_falls_back_to_eager(targets: dict, caplog) -> None:
+    """A compiled part that fails is swapped back for the original: one warning, the same outputs."""
+    target = load_target(targets["qwen3"], [0, 2])
+    ids, _ = _right_padded([9, 4], seed=3)
+    expected = [o.clone() for o in target.capture(ids)]
+    layer = target.decoder.layers[1]
+    original = layer.mlp
+    layer.mlp = _Broken()  # what speed_up(compile=True) does on CUDA, with a compiled part that fails
+    target._compiled.append((layer, "mlp", original))
+    with caplog.at_level("WARNING"):
+        outs = target.capture(ids)
+    assert "compiled forward failed (RuntimeError: simulated compiler failure)" in caplog.text
+    assert layer.mlp is original and not target._compiled
+    for got, want in zip(outs, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="simulated"):  # without compiled parts, errors propagate
+        layer.mlp = _Broken()
+        target.capture(ids)
+
+
+def test_speed_up_changes_nothing_on_cpu(targets: dict) -> None:
+    target = load_target(targets["qwen3_5"], [1])
+    mlp = target.decoder.layers[0].mlp
+    assert target.speed_up(compile=True) == []
+    assert target.decoder.layers[0].mlp is mlp
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])

@@ -1,7 +1,8 @@
 """Training blocks (pure tensor logic, no I/O): anchors, block inputs, labels, loss weights, packing.
 
 Public API (stable):
-    PackedBatch                      the model's input (fields as in ARCHITECTURE.md), `.to(device)`, `.pin_memory()`
+    PackedBatch                      the model's input (fields as in ARCHITECTURE.md), `.to(device)`, `.pin_memory()`,
+                                     `.dequantized()` (fp8-packed features -> bf16 wherever the batch is)
     SequenceInput(input_ids, loss_mask, features)   one sequence; `features` [S, K*H]
     default_gamma(block_size) -> float              7 / 5 / 4 for B = 16 / 10 / 8
     slot_weights(block_size, gamma) -> Tensor[B]    0 at slot 0, exp(-(k-1)/gamma) after
@@ -12,17 +13,20 @@ Public API (stable):
                       anchors=None, layer_ids=None, pad_blocks_to_multiple=1) -> PackedBatch
 
 A sequence may be a `SequenceInput` or anything with `input_ids`, `loss_mask` and `hidden: dict[layer, [S, H]]`
-(a `dflash.shards` Sample); the latter needs `layer_ids` to pick and order the layers.
+(a `dflash.shards` Sample); the latter needs `layer_ids` to pick and order the layers. Samples read from an
+fp8 cache with `dequantize=False` hold `Fp8Block`s: they pack as fp8 bits plus per-token scales (half the
+bytes to pin and copy) and `dequantized()` turns them into the cache's bf16 values on the GPU.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
+from dflash.shards import Fp8Block, dequantize_fp8
 
 _GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -39,6 +43,8 @@ class PackedBatch:
     block_seq: torch.Tensor  # [N] long, sequence of each block, -1 for padding blocks
     labels: torch.Tensor  # [N, B] long, x[a + k] (0 where the weight is 0 past the end)
     weights: torch.Tensor  # [N, B] float32 loss weights
+    # [T, K] float32 when `features` holds fp8 e4m3 bits (uint8 [T, K*H]) from an fp8 cache, else None
+    feature_scales: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -52,13 +58,30 @@ class PackedBatch:
     def num_context_tokens(self) -> int:
         return int(self.features.shape[0])
 
+    def _map(self, fn: Any) -> PackedBatch:
+        return PackedBatch(**{f.name: _maybe(fn, getattr(self, f.name)) for f in fields(self)})
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
-        return PackedBatch(
-            **{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)}
-        )
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> PackedBatch:
-        return PackedBatch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+        return self._map(lambda t: t.pin_memory())
+
+    def dequantized(self) -> PackedBatch:
+        """bf16 features from fp8-packed ones (same bits as the codec's own decode); self if not fp8."""
+        if self.feature_scales is None:
+            return self
+        t, k = self.feature_scales.shape
+        h = self.features.shape[1] // k
+        out = torch.empty((t, k * h), dtype=torch.bfloat16, device=self.features.device)
+        for j in range(k):  # one layer at a time: an fp32 temporary of [T, H], not [T, K*H]
+            block = Fp8Block(q=self.features[:, j * h : (j + 1) * h], scale=self.feature_scales[:, j])
+            out[:, j * h : (j + 1) * h] = dequantize_fp8(block, torch.bfloat16)
+        return replace(self, features=out, feature_scales=None)
+
+
+def _maybe(fn: Any, t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else fn(t)
 
 
 @dataclass(slots=True)
@@ -186,21 +209,7 @@ def make_packed_batch(
         lengths.append(s)
         block_parts.append((blk, lab, wt, chosen, torch.full_like(chosen, index)))
 
-    # One allocation for the packed features; per-layer slices are copied straight into it.
-    width = sum(f.shape[1] for f in parts[0])
-    dtype = feature_dtype or parts[0][0].dtype
-    features = torch.empty(sum(lengths), width, dtype=dtype)
-    row = 0
-    for feats, s in zip(parts, lengths, strict=True):
-        col = 0
-        for f in feats:
-            if col + f.shape[1] > width:
-                raise ValueError(f"feature widths differ between sequences (expected {width} in total)")
-            features[row : row + s, col : col + f.shape[1]] = f
-            col += f.shape[1]
-        if col != width:
-            raise ValueError(f"feature widths differ between sequences ({col} vs {width})")
-        row += s
+    features, feature_scales = _pack_features(parts, lengths, feature_dtype)
     context_pos = torch.cat([torch.arange(s) for s in lengths])
     context_seq = torch.cat([torch.full((s,), i, dtype=torch.long) for i, s in enumerate(lengths)])
     block_ids, labels, weights, anchor_pos, block_seq = (torch.cat(x) for x in zip(*block_parts, strict=True))
@@ -222,4 +231,36 @@ def make_packed_batch(
         block_seq=block_seq,
         labels=labels,
         weights=weights,
+        feature_scales=feature_scales,
     )
+
+
+def _pack_features(
+    parts: list[list[Any]], lengths: list[int], feature_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[T, K*H] features in one allocation (per-layer slices copied straight in); fp8 blocks pack as
+    uint8 bits plus [T, K] scales."""
+    fp8 = isinstance(parts[0][0], Fp8Block)
+    width = sum(f.shape[1] for f in parts[0])
+    total = sum(lengths)
+    if fp8:
+        features = torch.empty(total, width, dtype=torch.uint8)
+        scales = torch.empty(total, len(parts[0]), dtype=torch.float32)
+    else:
+        features, scales = torch.empty(total, width, dtype=feature_dtype or parts[0][0].dtype), None
+    row = 0
+    for feats, s in zip(parts, lengths, strict=True):
+        col = 0
+        for j, f in enumerate(feats):
+            if col + f.shape[1] > width or isinstance(f, Fp8Block) != fp8:
+                raise ValueError(f"features differ between sequences (expected {width} wide, fp8={fp8})")
+            if fp8:
+                features[row : row + s, col : col + f.shape[1]] = f.q
+                scales[row : row + s, j] = f.scale
+            else:
+                features[row : row + s, col : col + f.shape[1]] = f
+            col += f.shape[1]
+        if col != width:
+            raise ValueError(f"feature widths differ between sequences ({col} vs {width})")
+        row += s
+    return features, scales

@@ -23,11 +23,12 @@ from dflash.shards import Cache
 from dflash.shards.manifest import PROVENANCE_FIELDS
 
 from . import checkpoint as ckpt
+from .cache_checks import check_cache, resolve_layer_ids
 from .config import TrainConfig, config_from_flat, estimate_total_steps, lr_at
 from .evaluate import configured_eval_set, evaluate_configured
 from .export import export_drafter
 from .frozen import load_frozen_target
-from .loader import StreamingLoader, check_cache, resolve_layer_ids
+from .loader import StreamingLoader
 from .loss import drafter_loss
 from .mask import build_attention_mask
 from .metrics import MetricsLogger, format_eta

@@ -1,0 +1,126 @@
+"""What the extraction benches share: random-weight truncated targets of real shapes, synthetic rows with the
+902k-row set's length distribution, and the bare forward over staged batches (the benches' reference)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from dflash.extract.dataset import open_dataset
+from dflash.extract.gather import gather
+from dflash.extract.plan import plan_batches
+from dflash.extract.target import CapturingTarget
+from dflash.extract.validate import validate
+
+from bench.shapes import QWEN3_8B, QWEN35_27B, TINY, config_kwargs
+
+MEDIAN_LEN, SIGMA, MIN_LEN, MAX_LEN_CLIP = 1450, 0.8, 16, 8192
+
+# Captured layers: the DFlash default rule (K = 5) for the real shapes; two early layers for the tiny one.
+ARCHS = {
+    "qwen3_8b": dict(shape=QWEN3_8B, layers=[1, 9, 17, 25, 33], rows=300),
+    "qwen35_27b": dict(shape=QWEN35_27B, layers=[1, 16, 31, 46, 61], rows=150),
+    "tiny": dict(shape=TINY, layers=[1, 2], rows=40),
+}
+
+
+def _model_config(shape: dict, num_layers: int):
+    params = config_kwargs(shape, num_layers)
+    if shape["model_type"] == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**params)
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**params)
+
+
+def build_target(
+    arch: str, workdir: Path, device: torch.device, dtype: torch.dtype
+) -> tuple[Path, CapturingTarget]:
+    """Random-weight truncated model in memory + a target dir (config.json, embed/lm_head safetensors)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    spec = ARCHS[arch]
+    keep = max(spec["layers"]) + 1
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(_model_config(spec["shape"], keep), dtype=dtype)
+    model.eval().requires_grad_(False)
+    target_dir = workdir / f"target-{arch}"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    full = _model_config(spec["shape"], spec["shape"]["num_hidden_layers"])
+    full.save_pretrained(target_dir)  # config.json with the full layer count, as a real checkpoint has
+    save_file(
+        {
+            "model.embed_tokens.weight": model.model.embed_tokens.weight.detach().cpu().contiguous(),
+            "lm_head.weight": model.lm_head.weight.detach().cpu().contiguous(),
+        },
+        str(target_dir / "model.safetensors"),
+    )
+    model.lm_head = torch.nn.Identity()  # never used for extraction
+    return target_dir, CapturingTarget(model, spec["layers"])
+
+
+def write_rows(path: Path, rows: int, vocab: int, seed: int = 0, max_clip: int = MAX_LEN_CLIP) -> Path:
+    """One Arrow IPC file: int32 ids, int8 loss mask (first ~20% prompt), 1000-row record batches."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.round(rng.lognormal(np.log(MEDIAN_LEN), SIGMA, rows)), MIN_LEN, max_clip).astype(
+        np.int64
+    )
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = rng.integers(0, vocab, size=int(offsets[-1]), dtype=np.int32)
+    prompt = (lengths * rng.uniform(0.05, 0.4, rows)).astype(np.int64)
+    pos = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], lengths)
+    mask = (pos >= np.repeat(prompt, lengths)).astype(np.int8)
+    table = pa.table(
+        {
+            "input_ids": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(ids)),
+            "loss_mask": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(mask)),
+            "seq_len": pa.array(lengths),
+        }
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=1000):
+            writer.write_batch(batch)
+    return path
+
+
+def stage_batches(
+    target: CapturingTarget, dataset: Path, vocab: int, max_len: int, token_budget: int, mask: bool
+) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+    """Every planned batch on the device: (int64 ids [B, S], int64 mask or None, lengths [B])."""
+    ds = open_dataset(dataset)
+    report = validate(ds, vocab_size=vocab, max_len=max_len)
+    staged = []
+    for batch in plan_batches(report.rows, report.lengths, token_budget=token_budget):
+        g = gather(ds, batch, None)
+        ids = torch.as_tensor(g.input_ids).to(target.device)
+        am = torch.as_tensor(g.attention_mask).to(target.device) if mask else None
+        staged.append((ids, am, torch.as_tensor(g.lengths)))
+    return staged
+
+
+def timed_pass(target: CapturingTarget, staged: list) -> dict:
+    """Forward every staged batch; wall seconds and GPU-busy seconds (CUDA events) over the pass."""
+    cuda = target.device.type == "cuda"
+    events = []
+    t = time.perf_counter()
+    for ids, am, _ in staged:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        target.capture(ids, am)
+        if cuda:
+            end.record()
+            events.append((start, end))
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    busy = sum(s.elapsed_time(e) for s, e in events) / 1e3 if cuda else wall
+    return {"seconds": wall, "gpu_busy_seconds": busy}

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from dflash.extract.cli import main
+from dflash.extract.cli import config_from_args, main
 from dflash.extract.config import ColumnNames, ExtractConfig, resolve_layers
 from dflash.extract.dryrun import read_target_shape
 
@@ -210,3 +210,9 @@ def test_cli_subprocess_no_traceback_and_no_torch(setup):
     if shards_imports_torch == "True":
         pytest.skip("dflash.shards/__init__ imports torch eagerly; the dry-run path cannot avoid it")
     assert torch_loaded == "False"
+
+
+def test_compile_flag_defaults_on_and_can_be_turned_off() -> None:
+    base = ["--target", "t", "--dataset", "d", "--out", "o"]
+    assert config_from_args(base).compile is True
+    assert config_from_args([*base, "--no-compile"]).compile is False

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.shards.manifest import decoder_config
+
 from .config import ExtractConfig
 from .dataset import TokenDataset, open_dataset
 from .plan import (
@@ -55,9 +57,9 @@ def read_target_shape(target: Path) -> TargetShape:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"target: {path} is not valid JSON ({exc})") from exc
-    text = config.get("text_config") if "num_hidden_layers" not in config else config
-    if not isinstance(text, dict):
-        raise ValueError(f"target: {path} has neither num_hidden_layers nor a text_config")
+    if not isinstance(config, dict):
+        raise ValueError(f"target: {path} holds a JSON {type(config).__name__}, not a config object")
+    text = decoder_config(config)
     missing = [
         k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(text.get(k), int)
     ]

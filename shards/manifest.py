@@ -189,19 +189,25 @@ def target_fingerprint(config_dict: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json(dict(config_dict))).hexdigest()
 
 
+def decoder_config(config_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The decoder's settings from a target's config.json: VLM wrappers (qwen3_5) keep them under
+    `text_config`, whose values win over the wrapper's; other configs are returned as they are.
+
+    (The one setting read from the wrapper instead is `tie_word_embeddings`: it ties the wrapper's own
+    embedding and lm_head, see `extract.target_parts`.)"""
+    inner = config_dict.get("text_config")
+    return {**config_dict, **inner} if isinstance(inner, Mapping) else dict(config_dict)
+
+
 def target_info(config_dict: Mapping[str, Any], name_or_path: str, dtype: str = "bfloat16") -> dict[str, Any]:
-    """The manifest's `target` entry; VLM-style configs (qwen3_5) keep the text model's sizes in text_config."""
-    text = config_dict.get("text_config") or {}
-
-    def pick(key: str) -> Any:
-        return config_dict.get(key, text.get(key))
-
+    """The manifest's `target` entry (the decoder's sizes, see `decoder_config`)."""
+    text = decoder_config(config_dict)
     return {
         "name_or_path": str(name_or_path),
         "model_type": config_dict.get("model_type"),
-        "num_hidden_layers": pick("num_hidden_layers"),
-        "hidden_size": pick("hidden_size"),
-        "vocab_size": pick("vocab_size"),
+        "num_hidden_layers": text.get("num_hidden_layers"),
+        "hidden_size": text.get("hidden_size"),
+        "vocab_size": text.get("vocab_size"),
         "dtype": dtype,
         "config_sha256": target_fingerprint(config_dict),
     }

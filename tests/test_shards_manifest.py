@@ -156,3 +156,18 @@ def test_verify_catches_duplicates_and_manifest_disagreements(tmp_path: Path) ->
     assert report.bad_shards[shard_name(7)] == [
         f"{shards / shard_name(7)}: listed in the manifest but missing"
     ]
+
+
+def test_decoder_config_reads_a_vlm_wrappers_text_config() -> None:
+    from dflash.shards.manifest import decoder_config, target_info
+
+    plain = {"model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096}
+    assert decoder_config(plain) == plain
+    wrapped = {
+        "model_type": "qwen3_5",
+        "vocab_size": 1,  # a stale wrapper value: the text model's own wins
+        "text_config": {"num_hidden_layers": 64, "hidden_size": 5120, "vocab_size": 248320},
+    }
+    assert decoder_config(wrapped)["vocab_size"] == 248320
+    info = target_info(wrapped, "/m")
+    assert (info["model_type"], info["num_hidden_layers"], info["hidden_size"]) == ("qwen3_5", 64, 5120)

@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 from dflash.shards.errors import ShardError
+from dflash.shards.manifest import decoder_config
 from safetensors import safe_open
-
-from .model import decoder_config
 
 FROZEN_FILE = "frozen.safetensors"
 EMBED_KEY = "embed_tokens.weight"

@@ -23,17 +23,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from dflash.shards.layers import default_layer_ids
+from dflash.shards.manifest import decoder_config
 from torch import nn
 
 if TYPE_CHECKING:
     from .blocks import PackedBatch
     from .mask import AttentionMask
-
-
-def decoder_config(target: dict[str, Any]) -> dict[str, Any]:
-    """The decoder's settings: Qwen3.5-style VLM wrappers keep them under `text_config`, which wins."""
-    inner = target.get("text_config")
-    return {**target, **inner} if isinstance(inner, dict) else target
 
 
 def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -120,6 +120,7 @@ class CapturingTarget:
             )
         self._captured: dict[int, torch.Tensor] = {}
         self._compiled: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []  # (layer, name, original)
+        self._compile_failed = False  # once the compiled forward failed, this target stays eager
         self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
         first = next(self.decoder.parameters())
         self.device = first.device
@@ -140,7 +141,7 @@ class CapturingTarget:
         from .kernels import use_fla_causal_conv1d
 
         applied = [f"FLA short convolution ({m})" for m in use_fla_causal_conv1d(self.model, self.device)]
-        if compile and not self._compiled:
+        if compile and not self._compiled and not self._compile_failed:
             for layer in self.decoder.layers:
                 # The capture hooks sit on the layers themselves: compile their parts, not the layers.
                 for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
@@ -159,6 +160,7 @@ class CapturingTarget:
         for layer, name, original in self._compiled:
             setattr(layer, name, original)
         self._compiled = []
+        self._compile_failed = True
 
     @torch.inference_mode()
     def capture(

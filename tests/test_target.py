@@ -71,6 +71,7 @@ def test_failed_compiled_forward_falls_back_to_eager(targets: dict, caplog) -> N
         outs = target.capture(ids)
     assert "compiled forward failed (RuntimeError: simulated compiler failure)" in caplog.text
     assert layer.mlp is original and not target._compiled
+    assert target.speed_up(compile=True) == []  # never compiled again in this process (and CPU anyway)
     for got, want in zip(outs, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="simulated"):  # without compiled parts, errors propagate

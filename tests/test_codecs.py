@@ -88,9 +88,21 @@ def test_fp8_relative_error_on_heavy_tailed_data(s: int, h: int, seed: int, laye
     codec = get_codec("fp8")
     y = codec.decode(codec.encode(quantize_fp8(x)), (s, h), "bfloat16")
     assert y.dtype == torch.bfloat16 and y.shape == (s, h)
-    assert relative_error(y, x) <= 0.03
+    # The hard bound for any size: e4m3 rounds each normal value within half an ulp (2^-4 relative) and the
+    # bf16 result within 2^-9, so (1 + 2^-4)(1 + 2^-9) - 1 plus fp32 slack; subnormals are tiny next to each
+    # row's max. The 3% figure is statistical and holds for realistic widths (below): a 49-value row has
+    # reached 3.1%.
+    assert relative_error(y, x) <= 0.0665
     # encoding a raw tensor quantizes on the fly to the same frame
     assert codec.encode(x) == codec.encode(quantize_fp8(x))
+
+
+def test_fp8_relative_error_on_realistic_widths() -> None:
+    codec = get_codec("fp8")
+    for seed, (s, h) in enumerate([(64, 1024), (16, 4096), (256, 2048)]):
+        for x in llm_like_layers(s, h, 5, seed=seed):
+            y = codec.decode(codec.encode(quantize_fp8(x)), (s, h), "bfloat16")
+            assert relative_error(y, x) <= 0.03
 
 
 def test_fp8_ratio_on_llm_like_data() -> None:

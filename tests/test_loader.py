@@ -175,3 +175,23 @@ def test_fp8_batches_dequantized_after_the_copy_equal_the_cpu_decode(tmp_path: P
     assert loader.fp8_on_device
     filler = loader._filler()
     assert all(f.q.dtype == torch.uint8 for f in filler.hidden.values())
+
+
+def test_wait_records_every_tensor_on_the_consumer_stream(cache_dir: Path, monkeypatch) -> None:
+    """The CUDA branch of `LoadedBatch.wait`, driven on the CPU with a fake stream: every tensor of the
+    batch is recorded on the consumer's stream, and optional fields left as None are skipped."""
+    loaded = _collect(_loader(cache_dir), limit=1)[0][0]
+    assert loaded.batch.feature_scales is None
+    events, recorded = [], []
+
+    class FakeStream:
+        def wait_event(self, event: object) -> None:
+            events.append(event)
+
+    stream = FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: recorded.append((self, s)))
+    loaded.ready = "copy-done"
+    batch = loaded.wait()
+    assert events == ["copy-done"] and loaded.ready is None
+    assert len(recorded) == len(batch.tensors()) == 8 and all(s is stream for _, s in recorded)

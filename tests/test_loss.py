@@ -105,6 +105,16 @@ def test_drafter_loss_trains_slot_k_toward_the_token_at_anchor_plus_k() -> None:
     summary = stats.summary()
     assert summary["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert summary["blocks"] == int((batch.block_seq >= 0).sum()) and 1.0 <= summary["tau"] <= 5.0
+    # Feature noise perturbs the loss, reproducibly for one generator, and leaves the batch untouched.
+    before = batch.features.clone()
+    noisy = [
+        drafter_loss(model, frozen, batch, feature_noise_std=0.5, generator=torch.Generator().manual_seed(7))[
+            0
+        ].item()
+        for _ in range(2)
+    ]
+    assert noisy[0] == noisy[1] != pytest.approx(loss.item(), rel=1e-4)
+    assert torch.equal(batch.features, before)
 
 
 def test_stats_merge_and_summary() -> None:

@@ -58,6 +58,10 @@ class PackedBatch:
     def num_context_tokens(self) -> int:
         return int(self.features.shape[0])
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the batch holds (optional fields that are None left out)."""
+        return [t for f in fields(self) if (t := getattr(self, f.name)) is not None]
+
     def _map(self, fn: Any) -> PackedBatch:
         return PackedBatch(**{f.name: _maybe(fn, getattr(self, f.name)) for f in fields(self)})
 

@@ -23,7 +23,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -71,8 +71,8 @@ class LoadedBatch:
         if self.ready is not None:
             current = torch.cuda.current_stream(self.batch.features.device)
             current.wait_event(self.ready)
-            for f in fields(self.batch):  # keep the allocator from recycling them under the side stream
-                getattr(self.batch, f.name).record_stream(current)
+            for t in self.batch.tensors():  # keep the allocator from recycling them under the side stream
+                t.record_stream(current)
             self.ready = None
         return self.batch
 

@@ -15,7 +15,7 @@ Public API (stable):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -147,9 +147,7 @@ def drafter_loss(
     micro-batches) replaces this batch's weight sum so that summed losses equal the global mean."""
     if feature_noise_std > 0:
         noise = torch.randn(batch.features.shape, generator=generator, device=batch.features.device)
-        batch = _replace_features(
-            batch, batch.features + (noise * feature_noise_std).to(batch.features.dtype)
-        )
+        batch = replace(batch, features=batch.features + (noise * feature_noise_std).to(batch.features.dtype))
     hidden = model(batch, frozen.embed(batch.block_ids), attn_mask)  # [N, B, H]
     n, b, h = hidden.shape
     # Slot 0 always has weight 0 (the anchor is given): never spend lm_head FLOPs on it.
@@ -186,11 +184,3 @@ def drafter_loss(
             accept_len_sum=(accepted + 1).float().sum(),
         )
     return loss, stats
-
-
-def _replace_features(batch: PackedBatch, features: torch.Tensor) -> PackedBatch:
-    from .blocks import PackedBatch
-
-    values = {f.name: getattr(batch, f.name) for f in fields(batch)}
-    values["features"] = features
-    return PackedBatch(**values)

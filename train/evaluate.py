@@ -182,9 +182,9 @@ def evaluate(
                                 gamma=gamma,
                                 device=device,
                                 # Walk batches change shape with every sample, and inductor has failed to
-                                # lower FlexAttention for some of them (H200, torch 2.11): the walk keeps
-                                # "auto" (dense when small, fallback when not) even under --attention flex.
-                                attention="auto",
+                                # lower FlexAttention for some of them (H200, torch 2.11): under "flex" the
+                                # walk uses "auto" (dense when small, a fallback when not).
+                                attention="dense" if attention == "dense" else "auto",
                             )
                         )
     finally:

@@ -65,6 +65,7 @@ def test_config_file_keys_mirror_flags_and_flags_win(tmp_path: Path, suffix: str
         (["--cache", "C", "--out", "O", "--target-layer-ids", "1,x"], "target_layer_ids='1,x'"),
         (["--cache", "C", "--out", "O", "--eval-fraction", "1.5"], "eval_fraction=1.5"),
         (["--cache", "/nonexistent/cache", "--out", "O"], "no manifest"),
+        (["--cache", "C", "--out", "O", "--device", "cpu", "--attention", "flex"], "needs a CUDA device"),
     ],
 )
 def test_bad_settings_are_one_line_errors(argv: list[str], message: str, capsys, tmp_path: Path) -> None:

@@ -48,7 +48,8 @@ def _train_parser() -> argparse.ArgumentParser:
         "--attention",
         choices=ATTENTION_CHOICES,
         help="auto (default): dense SDPA for small batches or off CUDA, FlexAttention otherwise, dense if "
-        "FlexAttention fails; dense or flex force one (flex: errors are fatal)",
+        "FlexAttention fails; dense or flex force one (flex: CUDA only, errors are fatal; the held-out "
+        "decode walk still uses auto)",
     )
     run.add_argument("--eval-every", type=int, help="evaluate every N steps and at the end (0: never)")
     run.add_argument("--save-every", type=int, help="checkpoint every N steps (and at the end)")

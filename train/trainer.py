@@ -75,6 +75,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     np.random.seed(cfg.seed % 2**32)
     random.seed(cfg.seed)
     device = info.device
+    if cfg.attention == "flex" and device.type != "cuda":
+        raise ValueError(
+            f"--attention flex needs a CUDA device: FlexAttention has no backward on {device.type}; "
+            "use --attention auto (the default) or dense"
+        )
 
     # --- cache, frozen target, drafter ----------------------------------------------------------------
     cache = Cache.open(cfg.cache)

@@ -3,8 +3,8 @@
 One slice copy per row and column plus the padding tails (~4 us/row): no per-row Python objects, no
 `Table.take` (which concatenates every chunk of a memory-mapped list column first). Output goes into
 caller-provided buffers (numpy arrays or CPU torch tensors, pinned or not) so the extraction can reuse
-pinned memory. The extraction gathers ids as int32 (a memcpy from the Arrow values) and no attention
-mask at all: both are widened / built on the device after the H2D copy (see `extract.stages`).
+pinned memory. The extraction gathers ids as int32 (a memcpy from the Arrow values), widened on the device
+after the H2D copy, and no attention mask at all: right-padded rows need none (see `extract.target`).
 """
 
 from __future__ import annotations
@@ -55,12 +55,15 @@ class GatherBuffers:
 
     @classmethod
     def compact(cls, capacity: int, max_rows: int, *, pin_memory: bool = False) -> GatherBuffers:
-        """What the extraction gathers into: int32 ids, uint8 loss mask, no attention mask (torch)."""
+        """What the extraction gathers into: int32 ids, uint8 loss mask, no attention mask (torch).
+
+        `pin_memory` pins the ids, the one buffer copied to the device; the loss mask and lengths are only
+        read on the host."""
         return cls(
             input_ids=torch.empty(capacity, dtype=torch.int32, pin_memory=pin_memory),
             attention_mask=None,
-            loss_mask=torch.empty(capacity, dtype=torch.uint8, pin_memory=pin_memory),
-            lengths=torch.empty(max_rows, dtype=torch.int64, pin_memory=pin_memory),
+            loss_mask=torch.empty(capacity, dtype=torch.uint8),
+            lengths=torch.empty(max_rows, dtype=torch.int64),
         )
 
 

@@ -1,8 +1,8 @@
 """Length-bucketed batch plans, work units and cache-size estimates: pure numpy, no I/O.
 
 Batches are right-padded rows of similar length, never several sequences packed into one row:
-hybrid Qwen targets (Gated DeltaNet) leak state across packed sequences, right padding with an
-attention mask is exact for every target.
+hybrid Qwen targets (Gated DeltaNet) leak state across packed sequences; right padding is exact for
+every target (all layers are causal, so no real token sees the padding after it; see `extract.target`).
 
 Determinism: the plan depends only on (row ids, lengths, options): stable sorts, ties broken by row
 id. Work units depend only on the plan and the byte options, never on the number of GPUs, so a

@@ -48,7 +48,9 @@ def test_captured_layers_equal_unpadded_reference(targets: dict, kind: str, mask
         expected = reference_layer_outputs(reference, ids[b, :n], layer_ids)
         for k in range(3):
             diff = (outs[k][b, :n] - expected[k]).abs().max().item()
-            assert diff <= 1e-5, f"{kind} row {b} layer {layer_ids[k]}: max abs diff {diff}"
+            # fp32 summation order differs between a padded batch and one row (~1e-5 in the DeltaNet scan,
+            # transformers 5.24); a leak across rows or from padding shows up as > 1e-2.
+            assert diff <= 5e-5, f"{kind} row {b} layer {layer_ids[k]}: max abs diff {diff}"
     # Outputs are real layer outputs, not the embeddings or each other.
     assert (outs[0] - outs[2]).abs().max() > 1e-2
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from dflash.extract.cli import main as extract_main
+from dflash.shards.layers import default_layer_ids
 from dflash.shards.reader import Cache
 from dflash.tools.shards_cli import main as shards_main
 from dflash.tools.tiny import build_tiny_tokenizer
@@ -26,6 +27,7 @@ from dflash.train.export import load_drafter
 from dflash.train.frozen import load_frozen_target
 from dflash.train.mask import build_attention_mask
 from dflash.train.metrics import read_metrics
+from dflash.train.model import DrafterConfig
 from safetensors.torch import load_file
 
 from tests.common.datasets import make_rows
@@ -223,3 +225,35 @@ def test_tiny_configs_keep_every_released_value_but_sizes() -> None:
             assert {k: tiny[k] for k in kept} == {k: real[k] for k in kept}, family.name
         text = config.get("text_config", config)
         assert text["vocab_size"] == 320 and text["num_hidden_layers"] == NUM_LAYERS
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_full_size_released_configs_plan_and_size_a_drafter(
+    name: str, tmp_path: Path, dataset: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The released config.json itself (real sizes, no weights): the dry run plans the default DFlash layers
+    and the drafter takes the target's width, heads and rope."""
+    family = FAMILIES[name]
+    text = family.config.get("text_config", family.config)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(family.config))
+    plan = json.loads(
+        _run(extract_main, ["--target", target, "--dataset", dataset, "--dry-run", "--json"], capsys)
+    )
+    num_layers = text["num_hidden_layers"]
+    assert plan["layers"] == default_layer_ids(num_layers, 5)
+    assert (plan["target"]["num_hidden_layers"], plan["target"]["vocab_size"]) == (
+        num_layers,
+        text["vocab_size"],
+    )
+    drafter = DrafterConfig.from_target_config(family.config, mask_token_id=text["vocab_size"] - 1)
+    theta = text.get("rope_theta") or text["rope_parameters"]["rope_theta"]
+    assert (drafter.hidden_size, drafter.head_dim, drafter.rope_theta, drafter.rope_scaling) == (
+        text["hidden_size"],
+        text["head_dim"],
+        theta,
+        None,
+    )
+    assert drafter.intermediate_size == text.get("intermediate_size", 3 * text["hidden_size"])
+    assert drafter.target_layer_ids == tuple(plan["layers"])

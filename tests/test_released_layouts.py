@@ -1,6 +1,6 @@
 """Released-layout conformance: every Qwen checkpoint family users run, end to end through the real CLIs.
 
-For each family of `tests/common/released.py` (the table there names the released checkpoints whose
+For each family of `tests/common/released_configs.py` (the table there names the released checkpoints whose
 config.json each tiny checkpoint keeps, key for key): a tiny bf16 checkpoint saved the way the Hub ones are
 (sharded safetensors + index, generation_config.json, tokenizer) goes through
 `dflash-extract --dry-run` -> `dflash-extract` (lossless and fp8) -> `dflash-shards verify --dataset` ->
@@ -33,15 +33,14 @@ from safetensors.torch import load_file
 from tests.common.datasets import make_rows
 from tests.common.extract import write_dataset
 from tests.common.released import (
-    FAMILIES,
     NUM_LAYERS,
     TINY_TEXT,
     TINY_VISION,
     TOKEN_ID_KEYS,
-    Family,
     make_released_checkpoint,
     shrink,
 )
+from tests.common.released_configs import FAMILIES, Family
 from tests.common.train_cli import tiny_train_argv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

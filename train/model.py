@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from dflash.shards.layers import default_layer_ids
-from dflash.shards.manifest import decoder_config
+from dflash.shards.target_config import decoder_config
 from torch import nn
 
 if TYPE_CHECKING:

@@ -87,7 +87,9 @@ def read_frozen(
     return embed, head
 
 
-def write_target_parts(cache_dir: str | Path, target: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def write_target_parts(
+    cache_dir: str | Path, target: str | Path, dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """Write and check CACHE/target/ from the checkpoint; one for the same config.json is kept as is."""
     target = Path(target)
     embed, head = read_frozen(target, dtype)

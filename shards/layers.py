@@ -16,6 +16,7 @@ The exported `dflash.py` keeps its own copy of `default_layer_ids` (it must load
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 DEFAULT_NUM_DRAFT_LAYERS = 5
@@ -46,8 +47,9 @@ def check_layer_ids(
     values = list(ids)
     if not values:
         raise ValueError(f"{what} is empty: name at least one target layer")
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in values):
+    if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 for i in values):
         raise ValueError(f"{what} must be layer ids >= 0, got {values!r}")
+    values = [int(i) for i in values]
     if num_target_layers is not None:
         bad = [i for i in values if i >= num_target_layers]
         if bad:
@@ -74,19 +76,24 @@ def resolve_layer_ids(
         else check_layer_ids(default_layer_ids(num_target_layers, num_draft_layers), num_target_layers)
     )
     if cached is not None:
-        missing = sorted({i for i in resolved if i not in set(cached)})
-        if missing:
-            origin = (
-                "target_layer_ids"
-                if explicit
-                else f"the default target_layer_ids (a {num_target_layers}-layer target, {num_draft_layers} "
-                "draft layers)"
-            )
-            raise ValueError(
-                f"{origin} {list(resolved)} are not all cached: layers {missing} missing, the cache holds "
-                f"{list(cached)}; pass --target-layer-ids chosen from those or re-extract with them"
-            )
+        if explicit:
+            check_cached(resolved, cached)
+        else:
+            note = f" (the rule for a {num_target_layers}-layer target and {num_draft_layers} draft layers)"
+            check_cached(resolved, cached, what="the default target_layer_ids", note=note)
     return resolved
+
+
+def check_cached(
+    ids: Sequence[int], cached: Sequence[int], *, what: str = "target_layer_ids", note: str = ""
+) -> None:
+    """Refuse, in one line, layer ids a cache does not hold."""
+    missing = sorted({i for i in ids if i not in set(cached)})
+    if missing:
+        raise ValueError(
+            f"{what} {list(ids)}{note} are not all cached: layers {missing} missing, the cache holds "
+            f"{list(cached)}; pass --target-layer-ids chosen from those or re-extract with them"
+        )
 
 
 def capture_layer_ids(

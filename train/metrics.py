@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dflash.shards.atomic import atomic_write_bytes
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -90,14 +92,9 @@ class MetricsLogger:
             )
 
     def _rewrite(self, records: list[dict[str, Any]]) -> None:
-        path = self.run_dir / METRICS_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_bytes(
+            self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in records).encode()
+        )
 
     def log(self, record: Mapping[str, Any]) -> None:
         """Append one record (must hold `step`); scalars also go to TensorBoard."""

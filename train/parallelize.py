@@ -87,14 +87,6 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     return t.tolist()
 
 
-def all_reduce_max(value: float, info: DistInfo) -> float:
-    if not info.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def barrier(info: DistInfo) -> None:
     if info.distributed:
         if info.device.type == "cuda":

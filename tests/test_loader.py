@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -195,3 +196,13 @@ def test_wait_records_every_tensor_on_the_consumer_stream(cache_dir: Path, monke
     batch = loaded.wait()
     assert events == ["copy-done"] and loaded.ready is None
     assert len(recorded) == len(batch.tensors()) == 8 and all(s is stream for _, s in recorded)
+
+
+def test_closing_the_stream_joins_every_thread_before_the_cache_closes(cache_dir: Path) -> None:
+    loader = _loader(cache_dir)
+    stream = loader.iterate()
+    next(stream)  # the planner and the pools are busy prefetching
+    stream.close()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("dflash-")]
+    loader.cache.close()
+    assert alive == []

@@ -8,7 +8,6 @@ decode (start at the first response token, advance by A + 1): tau as serving wou
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from .frozen import FrozenTarget
 from .loss import LossStats, drafter_loss
 from .mask import build_attention_mask
 from .model import DFlashDrafter
+from .parallelize import mixed_precision
 
 log = logging.getLogger(__name__)
 _EVAL_ANCHOR_TAG = 0x4556
@@ -111,9 +111,7 @@ def evaluate(
         return {}
     was_training = model.training
     model.eval()
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    )
+    autocast = mixed_precision(device)
     total: LossStats | None = None
     walk_steps: list[int] = []
     evaluated = skipped = 0

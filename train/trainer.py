@@ -9,13 +9,12 @@ loader or evaluation first opens it (`Cache.shard`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,14 @@ from .frozen import FrozenTarget, load_frozen_target
 from .loader import LoadedBatch, StreamingLoader
 from .loss import drafter_loss
 from .mask import build_attention_mask
-from .metrics import MetricsLogger, format_eta
+from .metrics import LogWindow, MetricsLogger
 from .model import DFlashDrafter, DrafterConfig
 from .parallelize import (
     DistInfo,
     all_reduce_sum,
     barrier,
     init_distributed,
+    mixed_precision,
     no_sync_unless,
     shutdown,
     wrap_model,
@@ -71,35 +71,6 @@ class StepResult:
     lr: float
 
 
-@dataclass(slots=True)
-class _Window:
-    """Sums between two log steps; `record` reduces them over ranks once (the log step's one collective)."""
-
-    loss_sum: Any = 0.0
-    weight_sum: float = 0.0
-    tokens: float = 0.0
-    wait: float = 0.0
-    start: float = field(default_factory=time.perf_counter)
-
-    def add(self, step: StepResult, wait: float) -> None:
-        self.loss_sum += step.loss_sum
-        self.weight_sum += step.weight_sum
-        self.tokens += step.tokens
-        self.wait += wait
-
-    def record(self, info: DistInfo, skipped: int) -> dict[str, Any]:
-        elapsed = time.perf_counter() - self.start
-        loss, weight, tokens, wait, skipped_all = all_reduce_sum(
-            [float(self.loss_sum), self.weight_sum, self.tokens, self.wait, float(skipped)], info
-        )
-        return {
-            "loss": loss / max(weight, 1e-12),
-            "tokens_per_s": tokens / max(elapsed, 1e-9),
-            "data_wait_frac": min(1.0, wait / max(elapsed * info.world_size, 1e-9)),
-            "skipped_samples": int(skipped_all),
-        }
-
-
 def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
@@ -122,10 +93,10 @@ class Trainer:
         self.drafter_cfg, self.spec = drafter_cfg, spec
         self.run_dir = Path(cfg.out)
         device = info.device
-        with (
-            device
-        ):  # initialised where it trains (seconds, not minutes, for a 1B-parameter drafter on a GPU)
-            self.model = DFlashDrafter(drafter_cfg)  # fp32 master weights; bf16 compute via autocast on CUDA
+        # Initialised where it trains (seconds, not minutes, for a 1B-parameter drafter on a GPU); fp32
+        # master weights, bf16 compute via autocast on CUDA.
+        with device:
+            self.model = DFlashDrafter(drafter_cfg)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.optimizer = torch.optim.AdamW(
@@ -137,11 +108,7 @@ class Trainer:
         )
         self.ddp_model = wrap_model(self.model, info)
         self.loader = StreamingLoader(cache, spec, rank=info.rank, world_size=info.world_size, device=device)
-        self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if device.type == "cuda"
-            else contextlib.nullcontext()
-        )
+        self.autocast = mixed_precision(device)
         self.step, self.best_tau, self.last_tau = 0, None, None
         self.total_steps = estimate_total_steps(cache.manifest, cfg, info.world_size)
         self.eval_set: EvalSet | None = None
@@ -194,6 +161,10 @@ class Trainer:
     def max_steps(self) -> int:
         """Epochs end the run unless a step budget does."""
         return self.cfg.optim.max_steps or self.total_steps * 10**6
+
+    @property
+    def planned_steps(self) -> int:
+        return min(self.total_steps, self.max_steps)
 
     def resume(self) -> bool:
         """Continue from the run directory's latest checkpoint (with `--resume`), after checking that it was
@@ -293,7 +264,7 @@ class Trainer:
         logger = self._open_logger()
         batches = self.loader.iterate()
         loader_state = self.loader.state_dict()
-        window, record, last_saved, started = _Window(), {}, None, time.perf_counter()
+        window, record, last_saved, started = LogWindow(), {}, None, time.perf_counter()
         try:
             lookahead, wait = _timed_next(batches)  # one batch ahead, so the last step is known when it runs
             while lookahead is not None and self.step < self.max_steps:
@@ -306,7 +277,7 @@ class Trainer:
                     wait += waited
                 # --- step
                 step = self.train_step(micro)
-                window.add(step, wait)
+                window.add(step.loss_sum, step.weight_sum, step.tokens, wait)
                 wait = 0.0
                 last = self.step >= self.max_steps or lookahead is None
                 do_eval = cfg.eval_every > 0 and (self.step % cfg.eval_every == 0 or last)
@@ -318,7 +289,9 @@ class Trainer:
                         "epoch": micro[-1].epoch,
                         "lr": step.lr,
                         "grad_norm": float(step.grad_norm),
-                        **window.record(self.info, loader_state["skipped_samples"]),
+                        **window.record(
+                            self._reduce_sum, self.info.world_size, loader_state["skipped_samples"]
+                        ),
                     }
                 # --- evaluate (rank 0; the others wait at the barrier)
                 if do_eval:
@@ -327,12 +300,14 @@ class Trainer:
                     logger.log(record)
                     if do_eval:
                         logger.refresh_plots()
-                self._progress(logger, record, micro[-1].epoch, started)
+                logger.show_step(
+                    self.step, self.planned_steps, record, micro[-1].epoch, self.last_tau, started
+                )
                 # --- checkpoint (rank 0 writes; the others wait so nobody races ahead of a slow disk)
                 if (cfg.save_every and self.step % cfg.save_every == 0) or last:
                     last_saved = self._save_step(loader_state) or last_saved
                 if logged:  # throughput windows exclude evaluation and checkpoint time
-                    window = _Window()
+                    window = LogWindow()
         finally:
             batches.close()  # joins the loader's threads before `close` closes the cache
             logger.close()
@@ -345,7 +320,7 @@ class Trainer:
             self.run_dir,
             enabled=info.is_main,
             start_step=self.step,
-            total_steps=min(self.total_steps, self.max_steps),
+            total_steps=self.planned_steps,
             tensorboard=cfg.tensorboard,
             plots=cfg.plots,
             progress=cfg.progress,
@@ -386,20 +361,8 @@ class Trainer:
         barrier(self.info)
         return saved
 
-    def _progress(self, logger: MetricsLogger, record: dict[str, Any], epoch: int, started: float) -> None:
-        rate = self.step / max(time.perf_counter() - started, 1e-9)
-        tau = self.last_tau if self.last_tau is not None else float("nan")
-        logger.progress(
-            self.step,
-            {
-                "ep": epoch,
-                "loss": f"{record.get('loss', float('nan')):.3f}",
-                "tau": f"{tau:.2f}",
-                "tok/s": f"{record.get('tokens_per_s', 0):.0f}",
-                "wait": f"{100 * record.get('data_wait_frac', 0):.0f}%",
-                "eta": format_eta((min(self.total_steps, self.max_steps) - self.step) / max(rate, 1e-9)),
-            },
-        )
+    def _reduce_sum(self, values: list[float]) -> list[float]:
+        return all_reduce_sum(values, self.info)
 
     def _report_skips(self, loader_state: dict[str, Any]) -> None:
         bad = self.loader.bad_shards

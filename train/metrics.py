@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.shards.atomic import atomic_write_bytes
+from dflash.shards.atomic import atomic_write, atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -219,11 +218,10 @@ def write_plots(history: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     written = []
 
     def save(fig: Any, name: str) -> None:
-        path = out_dir / name
-        tmp = out_dir / f".{name}.tmp.png"
-        fig.savefig(tmp, dpi=90, bbox_inches="tight")
+        path = atomic_write(
+            out_dir / name, lambda tmp: fig.savefig(tmp, format="png", dpi=90, bbox_inches="tight")
+        )
         plt.close(fig)
-        os.replace(tmp, path)
         written.append(path)
 
     def series(key: str) -> tuple[list[int], list[float]]:

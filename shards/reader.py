@@ -21,7 +21,7 @@ from .codecs import Codec, Fp8Block, Fp8Codec, codec_from_dict, zstd_decompress_
 from .errors import CorruptFrame, ShardError
 from .layout import FOOTER, MAGIC, Entry, checksum, frame_names, index_checksum, parse_footer, parse_index
 from .manifest import Manifest, ShardInfo, load_manifest
-from .paths import committed_shard_names, shard_path, unit_of_shard
+from .paths import SHARDS_DIR
 
 
 @dataclass(slots=True)
@@ -268,7 +268,7 @@ class Cache:
         if manifest.complete:
             names = [s.name for s in manifest.shards]
             for n in names:
-                if unit_of_shard(n) is None:
+                if "/" in n or "\\" in n or not n.startswith("shard-") or not n.endswith(".dfs"):
                     raise ShardError(
                         f"{path}/manifest.json: shard name {n!r} is not of the form shard-NNNNNN.dfs"
                     )
@@ -278,7 +278,9 @@ class Cache:
                 f"{path}: cache is incomplete (extraction running or interrupted): resume the extraction, "
                 "or open with require_complete=False to read what is committed"
             )
-        return cls(path, manifest, committed_shard_names(path), False, max_open_shards)
+        shard_dir = path / SHARDS_DIR
+        names = sorted(p.name for p in shard_dir.glob("shard-*.dfs")) if shard_dir.is_dir() else []
+        return cls(path, manifest, names, False, max_open_shards)
 
     @property
     def layers(self) -> list[int]:
@@ -303,7 +305,7 @@ class Cache:
                 return reader
             if name not in self._known:
                 raise KeyError(f"{self.path}: no shard named {name!r}")
-        reader = ShardReader.open(shard_path(self.path, name))  # outside the lock: disk I/O
+        reader = ShardReader.open(self.path / SHARDS_DIR / name)  # outside the lock: disk I/O
         if self._from_manifest:
             self._check_identity(reader)
         with self._lock:

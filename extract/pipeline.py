@@ -226,6 +226,26 @@ def _finalize(s: _Setup) -> Manifest:
     return m
 
 
+def _open_cache(s: _Setup, out: Path, locks: RunLocks) -> bool:
+    """Rank 0 checks (or writes) the manifest, cleans up after killed writers, checks free space and writes
+    and checks CACHE/target/ (seconds: before any weights load), then tells the other ranks; they check
+    the manifest once it is ready. Returns whether the cache is already complete."""
+    if s.rank.rank != 0:
+        locks.wait_for_rank0()
+        return check_or_write_manifest(out, s.manifest, write=False).complete
+    current = (
+        check_or_write_manifest(out, s.manifest, write=False) if (out / MANIFEST_NAME).is_file() else None
+    )
+    if current is None or not current.complete:
+        remove_stale_temp_files(out)
+        committed = drop_unreadable_shards(out, committed_units(out))
+        _check_disk(s, committed)
+        check_or_write_manifest(out, s.manifest, write=True)
+        write_target_parts(out, s.config.target)
+    locks.mark_ready()
+    return current is not None and current.complete
+
+
 def run_extraction(
     config: ExtractConfig, *, takeover_grace_s: float = 30.0, target: CapturingTarget | None = None
 ) -> ExtractResult:
@@ -251,23 +271,7 @@ def run_extraction(
     stats = StageStats()
     done: list[int] = []
     try:
-        if rank.rank == 0:
-            current = (
-                check_or_write_manifest(out, s.manifest, write=False)
-                if (out / MANIFEST_NAME).is_file()
-                else None
-            )
-            if current is None or not current.complete:
-                remove_stale_temp_files(out)
-                committed = drop_unreadable_shards(out, committed_units(out))
-                _check_disk(s, committed)
-                check_or_write_manifest(out, s.manifest, write=True)
-                write_target_parts(out, config.target)
-            locks.mark_ready()
-        else:
-            locks.wait_for_rank0()
-            current = check_or_write_manifest(out, s.manifest, write=False)
-        complete = current is not None and current.complete
+        complete = _open_cache(s, out, locks)
         while not complete:
             mine = assign_units(len(s.units), committed_units(out), rank.rank, rank.world_size)
             if mine:

@@ -105,8 +105,9 @@ def evaluate(
     device: torch.device,
     walk: bool = True,
 ) -> dict[str, Any]:
-    """Metrics over the held-out set ({} when it is empty): loss, accuracy, tau, the decode walk's tau, and
-    how many samples were evaluated and skipped (`eval_samples`, `eval_skipped_samples`, `eval_skipped_shards`)."""
+    """Metrics over the held-out set: loss, accuracy, tau, the decode walk's tau, and how many samples were
+    evaluated and skipped (`eval_samples`, `eval_skipped_samples`, `eval_skipped_shards`; only these when
+    nothing could be evaluated). An empty held-out set gives {}."""
     if not eval_set.batches:
         return {}
     was_training = model.training
@@ -138,13 +139,12 @@ def evaluate(
                         walk_steps.extend(_walk_one(model, frozen, sample, spec, device=device))
     finally:
         model.train(was_training)
-    if total is None:
-        return {}
-    return _summary(total, walk_steps if walk else [], spec.block_size) | {
+    counts = {
         "eval_samples": evaluated,
         "eval_skipped_samples": skipped,
         "eval_skipped_shards": len(eval_set.bad_shards),
     }
+    return counts if total is None else _summary(total, walk_steps, spec.block_size) | counts
 
 
 def _summary(total: LossStats, walk_steps: list[int], block_size: int) -> dict[str, Any]:

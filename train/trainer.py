@@ -289,6 +289,7 @@ class Trainer:
                         "epoch": micro[-1].epoch,
                         "lr": step.lr,
                         "grad_norm": float(step.grad_norm),
+                        "skipped_shards": len(self.loader.bad_shards),  # every rank plans over every shard
                         **window.record(
                             self._reduce_sum, self.info.world_size, loader_state["skipped_samples"]
                         ),

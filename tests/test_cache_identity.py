@@ -16,6 +16,7 @@ from dflash.train.data_plan import heldout_mask
 from dflash.train.data_spec import DataSpec
 from dflash.train.evaluate import build_eval_set, evaluate
 from dflash.train.frozen import load_frozen_target
+from dflash.train.metrics import read_metrics
 from dflash.train.model import DFlashDrafter, DrafterConfig
 from dflash.train.trainer import train
 
@@ -74,6 +75,9 @@ def test_a_shard_from_another_extraction_is_refused_by_training_and_evaluation(t
     with pytest.raises(ShardError, match=message):
         _evaluate(a, _spec("fail"))
     # Under --on-corrupt skip both go on without it, and say so.
+    skip_run = tmp_path / "skip_run"
+    train(tiny_debug(str(a), str(skip_run), on_corrupt="skip", eval_every=0, tensorboard=False, plots=False))
+    assert read_metrics(skip_run)[-1]["skipped_shards"] == 1
     skipped, whole = _evaluate(a, _spec("skip")), _evaluate(b, _spec("skip"))
     held_in_swapped = int(heldout_mask(np.arange(10, 20), 0.2).sum())
     assert held_in_swapped > 0 and skipped["eval_skipped_shards"] == 1

@@ -532,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pack", help="write target/ and data/ as tar parts here (to carry them to another machine)"
     )
     p.add_argument("--unpack", help="start from tar parts written by --pack")
+    p.add_argument("--stop-after", choices=("data", "extract"), help="end after this phase")
     p.add_argument("--json", help="also write the report here")
     args = p.parse_args(argv)
     size = SIZES["quick" if args.quick else args.size]
@@ -563,7 +564,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.pack:
         print(f"packed: {[str(x) for x in pack(work, Path(args.pack))]}", flush=True)
     codecs = args.codecs.split(",")
+    if args.stop_after == "data":
+        return 0
     timed("extract", lambda: [phase_cache(work, codec, args.device) for codec in codecs])
+    if args.stop_after == "extract":
+        return 0
     runs = plan_runs(work / args.runs_dir, size, codecs, parse_variants(args.variants))
     extra = args.train_args.split()
 

@@ -334,58 +334,55 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
 def evaluate_all(
     work: Path, size: Size, meta: dict[str, Any], runs: list[Run], device: str
 ) -> dict[str, Any]:
-    """Every drafter and prompt lookup on the same held-out rows and anchors."""
+    """Every drafter and prompt lookup on the same held-out rows and anchors (the trainer's evaluation)."""
     import torch
     from dflash.shards import Cache
     from dflash.train.acceptance import decode_walk, walk_tau
-    from dflash.train.blocks import default_gamma
+    from dflash.train.config import default_gamma
+    from dflash.train.data_spec import DataSpec
     from dflash.train.evaluate import build_eval_set, evaluate
     from dflash.train.export import load_drafter
     from dflash.train.frozen import load_frozen_target
     from dflash.train.lookup import lookup_accepted
-    from dflash.train.model import DFlashDrafter, DrafterConfig
+    from dflash.train.model import DFlashDrafter
 
     recipe = size.drafter
     dev = torch.device(device)
-    rows = set(meta["eval_rows"])
+    rows = frozenset(meta["eval_rows"])
     out: dict[str, Any] = {}
-    codec = runs[0].codec
-    with Cache.open(work / f"cache-{codec}") as cache:
+    with Cache.open(work / f"cache-{runs[0].codec}") as cache:
         frozen = load_frozen_target(cache.path).to(device=dev, dtype=torch.float32)
-        eval_set = build_eval_set(cache, max_samples=len(rows), token_budget=recipe.token_budget,
-                                  max_length=recipe.token_budget, heldout_fraction=0.0,
-                                  heldout_rows=frozenset(rows))  # fmt: skip
+
+        def spec_of(drafter: DFlashDrafter) -> DataSpec:
+            c = drafter.config
+            return DataSpec(layer_ids=c.target_layer_ids, block_size=c.block_size, mask_token_id=c.mask_token_id,
+                            num_anchors=recipe.num_anchors, gamma=default_gamma(c.block_size),
+                            token_budget=recipe.token_budget, max_length=recipe.token_budget,
+                            heldout_rows=rows, eval_samples=len(rows))  # fmt: skip
+
+        def score(drafter: DFlashDrafter) -> dict[str, Any]:
+            spec = spec_of(drafter)
+            result = evaluate(drafter.to(device=dev, dtype=torch.float32), frozen, cache,
+                              build_eval_set(cache, spec), spec, device=dev)  # fmt: skip
+            keep = ("tau", "tau_walk", "eval_loss", "eval_samples", "acceptance_per_position")
+            return {k: result[k] for k in keep if k in result}
+
+        first = load_drafter(runs[0].dir / "final")
         # Prompt lookup on exactly the rows the drafters are evaluated on.
-        steps_all, sampled = [], []
+        eval_set = build_eval_set(cache, spec_of(first))
+        walk, sampled = [], []
         for batch in eval_set.batches:
             for ref in batch:
                 sample = cache.shard(ref.shard).read(ref.index, [cache.layers[0]])
-                accepted = lookup_accepted(
-                    sample.input_ids.numpy(), sample.loss_mask.numpy(), recipe.block_size - 1
-                )
-                steps_all += decode_walk(torch.from_numpy(accepted), sample.loss_mask)
+                ids, mask = sample.input_ids.numpy(), sample.loss_mask.numpy()
+                accepted = lookup_accepted(ids, mask, recipe.block_size - 1)
+                walk += decode_walk(torch.from_numpy(accepted), sample.loss_mask)
                 sampled += (accepted[accepted >= 0] + 1).tolist()
-        out["prompt_lookup"] = {"tau": float(np.mean(sampled)), "tau_walk": walk_tau(steps_all),
+        out["prompt_lookup"] = {"tau": float(np.mean(sampled)), "tau_walk": walk_tau(walk),
                                 "eval_samples": eval_set.num_samples}  # fmt: skip
-
-        def score(drafter: DFlashDrafter) -> dict[str, Any]:
-            drafter = drafter.to(device=dev, dtype=torch.float32)
-            c = drafter.config
-            result = evaluate(drafter, frozen.to(device=dev), cache, eval_set, layer_ids=c.target_layer_ids,
-                              block_size=c.block_size, mask_token_id=c.mask_token_id,
-                              num_anchors=recipe.num_anchors, gamma=default_gamma(c.block_size),
-                              max_length=recipe.token_budget, seed=0, device=dev)  # fmt: skip
-            return {
-                k: result[k]
-                for k in ("tau", "tau_walk", "eval_loss", "eval_samples", "acceptance_per_position")
-                if k in result
-            }
-
-        first = load_drafter(runs[0].dir / "final")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            untrained = DFlashDrafter(DrafterConfig(**{**asdict(first.config)}))
-        out["untrained"] = score(untrained)
+            out["untrained"] = score(DFlashDrafter(first.config))
         for run in runs:
             run.result.update(score(load_drafter(run.dir / "final")))
     return out

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .codecs import Codec, Fp8Block, codec_from_dict, dtype_name, zstd_compress
+from .codecs import Codec, codec_from_dict, dtype_name, zstd_compress
 from .errors import DiskFull, ShardError
 from .layout import FOOTER, FOOTER_MAGIC, MAGIC, SHARD_FORMAT, SHARD_VERSION, checksum, index_checksum
 from .manifest import ShardInfo, fsync_dir
@@ -91,7 +91,7 @@ def encode_sample(
     row: int,
     input_ids: torch.Tensor | np.ndarray | Sequence[int],
     loss_mask: torch.Tensor | np.ndarray | Sequence[int],
-    layers: Sequence[torch.Tensor | np.ndarray | Fp8Block],
+    layers: Sequence[torch.Tensor | np.ndarray | Any],
 ) -> EncodedSample:
     """Encode and hash one sample (row id, [S] ids, [S] 0/1 mask, one [S, H] per captured layer)."""
     ids = _to_numpy(input_ids)
@@ -114,10 +114,11 @@ def encode_sample(
     ]
     dtype = hidden = None
     for k, x in enumerate(layers):
-        shape = x.shape if isinstance(x, Fp8Block) else tuple(x.shape)
+        shape = tuple(x.shape)
         if len(shape) != 2 or shape[0] != s or shape[1] < 1:
             raise ValueError(f"row {row}: layer #{k} has shape {tuple(shape)}, expected [{s}, H] with H >= 1")
-        in_dtype = "bfloat16" if isinstance(x, Fp8Block) else dtype_name(x.dtype)
+        # a block quantized on the GPU (Fp8Block, QBlock) came from bfloat16 states
+        in_dtype = dtype_name(x.dtype) if isinstance(x, torch.Tensor | np.ndarray) else "bfloat16"
         if hidden is None:
             dtype, hidden = codec.stored_dtype(in_dtype), shape[1]
         elif shape[1] != hidden or codec.stored_dtype(in_dtype) != dtype:

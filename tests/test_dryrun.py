@@ -65,7 +65,7 @@ def test_resolve_layers_defaults_and_explicit():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"codec": "gzip"}, "codec must be one of lossless, fp8; got 'gzip'"),
+        ({"codec": "gzip"}, "codec must be one of lossless, fp8, q6, q4; got 'gzip'"),
         ({"max_len": 0}, "max_len must be >= 1, got 0"),
         ({"overlong": "drop"}, "overlong must be one of truncate, skip"),
         ({"token_budget": 0}, "token_budget must be >= 1"),
@@ -125,7 +125,7 @@ def test_dry_run_json(setup, capsys):
     assert out["layers"] == [1, 16, 31, 46, 61]
     assert out["target"]["hidden_size"] == 5120  # read from text_config of the VLM wrapper
     assert out["max_batch_tokens"] <= 512 and out["padded_tokens"] >= out["tokens"]
-    assert set(out["bytes_estimate"]) == {"raw", "lossless", "fp8"}
+    assert set(out["bytes_estimate"]) == {"raw", "lossless", "fp8", "q6", "q4"}
     assert out["bytes_estimate"]["raw"] >= out["tokens"] * 5 * 5120 * 2
     assert not (tmp_path / "cache").exists()  # a dry run writes nothing
 

@@ -172,7 +172,7 @@ def test_fp8_batches_dequantized_after_the_copy_equal_the_cpu_decode(tmp_path: P
         assert b.batch.features.dtype == torch.bfloat16
         assert torch.equal(a.batch.features.view(torch.int16), b.batch.features.view(torch.int16))
     loader = _loader(cache, dequantize_on_device=True)
-    assert loader.fp8_on_device
+    assert loader.decode_on_device
     filler = loader._filler()
     assert all(f.q.dtype == torch.uint8 for f in filler.hidden.values())
 

@@ -7,9 +7,10 @@ Stages, each feeding the next through a bounded queue, all stopped by one event:
     build pool       anchors, blocks and packing on the CPU (`make_packed_batch`), then pinning (CUDA)
     copy thread      (CUDA only) host-to-device copy on a side stream, an event per batch
 
-An fp8 cache is read undecoded on CUDA (`dequantize=False`): batches carry fp8 bits and per-token scales,
-half the bytes of bf16 to pin and copy, and the copy thread dequantizes them on the GPU. The CPU's share
-is then decompression alone; its fp8-to-bf16 conversion capped the loader at ~31k tokens/s on 16 cores.
+An fp8 or q4/q6 cache is read undecoded on CUDA (`dequantize=False`): batches carry fp8 bits or int8 codes
+plus their scales, about half the bytes of bf16 to pin and copy, and the copy thread decodes them on the
+GPU. The CPU's share is then decompression alone; its fp8-to-bf16 conversion capped the loader at ~31k
+tokens/s on 16 cores.
     consumer         `iterate()`: yields (LoadedBatch, state_dict) in plan order
 
 The plan, the anchors (a generator seeded from (seed, epoch, batch)) and the corrupt-sample skips are
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from dflash.shards import Cache, Fp8Block, ShardReader
+from dflash.shards import Cache, ShardReader
 from dflash.shards.errors import ShardError
 
 from .blocks import PackedBatch, make_packed_batch
@@ -133,9 +134,9 @@ class StreamingLoader:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.pad_blocks_to_multiple = pad_blocks_to_multiple
-        # fp8 frames stay fp8 until the batch is on the device (default: on CUDA; tests force it on a CPU).
+        # fp8/q frames stay undecoded until the batch is on the device (default: on CUDA; tests force it on a CPU).
         on_device = device.type == "cuda" if dequantize_on_device is None else dequantize_on_device
-        self.fp8_on_device = on_device and cache.codec.name == "fp8"
+        self.decode_on_device = on_device and cache.codec.device_decode
         self.bad_shards: dict[str, str] = {}
         self.corrupt_messages: list[str] = []
         self._state = {"epoch": 0, "next_index": 0, "skipped_samples": 0}
@@ -235,7 +236,7 @@ class StreamingLoader:
 
     def _read(self, ref: SampleRef, reader: ShardReader) -> object | ShardError:
         try:
-            sample = reader.read(ref.index, self.layer_ids, dequantize=not self.fp8_on_device)
+            sample = reader.read(ref.index, self.layer_ids, dequantize=not self.decode_on_device)
         except ShardError as exc:
             if self.on_corrupt != "skip":
                 raise ShardError(f"{exc} (pass --on-corrupt skip to drop corrupt samples)") from None
@@ -284,11 +285,10 @@ class StreamingLoader:
         from dflash.shards import Sample
 
         width = self.cache.manifest.hidden_size
-        zeros = (
-            Fp8Block(q=torch.zeros(2, width, dtype=torch.uint8), scale=torch.ones(2))
-            if self.fp8_on_device
-            else torch.zeros(2, width, dtype=getattr(torch, self.cache.manifest.dtype))
-        )
+        zeros = torch.zeros(2, width, dtype=getattr(torch, self.cache.manifest.dtype))
+        if self.decode_on_device:  # the codec's own undecoded form of zeros
+            codec = self.cache.codec
+            zeros = codec.decode_block(codec.encode(zeros), (2, width))
         return Sample(
             row=-1,
             input_ids=torch.zeros(2, dtype=torch.long),
@@ -386,7 +386,6 @@ class StreamingLoader:
             put(out, exc)
 
 
-def _first_rows(layer: torch.Tensor | Fp8Block, m: int) -> torch.Tensor | Fp8Block:
-    if isinstance(layer, Fp8Block):
-        return Fp8Block(q=layer.q[:m], scale=layer.scale[:m])
-    return layer[:m]
+def _first_rows(layer: Any, m: int) -> Any:
+    """The first m tokens of a layer: a tensor, or an undecoded Fp8Block/QBlock."""
+    return layer[:m] if isinstance(layer, torch.Tensor) else layer.head(m)

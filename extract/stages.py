@@ -5,7 +5,8 @@
                     D2H into pinned buffers on the copy stream (with an event)       -> q_out
     drain thread    wait for the D2H event, submit one encode task per sample        -> q_write
     encode pool     encode_sample (zstd releases the GIL)
-    writer thread   one ShardWriter per work unit, samples in plan order, commit
+    writer thread   one ShardWriter per work unit, samples in plan order; a Committer publishes each
+                    finished shard (fsync, rename) on its own threads while the next one streams
 
 Every thread that fails sets the shared stop event; queue operations give up when it is set, so an
 error anywhere (ENOSPC in the writer, a bad row in the loader) stops the run promptly and the first
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from dflash.shards.codecs import Codec
 from dflash.shards.manifest import ShardInfo
-from dflash.shards.writer import EncodedSample, ShardWriter, encode_sample
+from dflash.shards.writer import COMMITS_IN_FLIGHT, Committer, EncodedSample, ShardWriter, encode_sample
 
 from .gather import GatherBuffers, gather
 
@@ -295,9 +296,13 @@ def write_shards(
     stats: StageStats,
     raw_bytes_per_token: int,
     progress: Any,
+    commit_depth: int = COMMITS_IN_FLIGHT,
 ) -> None:
-    """Writer thread: one ShardWriter per unit, samples in plan order; commit at the unit's last batch."""
+    """Writer thread: one ShardWriter per unit, samples in plan order; at the unit's last batch the shard is
+    finished here and published (fsync + rename) by the Committer while the next unit streams in.
+    `wait_out` counts the time the writer waited for the disk (every commit slot busy)."""
     writer: ShardWriter | None = None
+    committer = Committer(commit_depth)
     t0 = time.perf_counter()
     try:
         while True:
@@ -319,10 +324,14 @@ def write_shards(
             with clock.timing("busy"):
                 after = writer.bytes_written
                 if item.last_in_unit:
-                    info = writer.commit()
-                    writer = None
+                    info = writer.finish()
                     after = info.bytes  # index and footer included
                     stats.shards.append(info)
+            if item.last_in_unit:
+                with clock.timing("wait_out"):
+                    committer.submit(writer)
+                writer = None
+            with clock.timing("busy"):
                 written = after - before
                 stats.rows += len(item.rows)
                 stats.tokens += item.tokens
@@ -337,6 +346,9 @@ def write_shards(
                         ratio=f"{stats.raw_bytes / max(stats.bytes_written, 1):.2f}x",
                         refresh=False,
                     )
+        with clock.timing("wait_out"):
+            committer.drain()  # the run's manifest lists what is on disk: every shard must be there
     finally:
         if writer is not None:
             writer.abort()
+        committer.close()

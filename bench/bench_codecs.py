@@ -2,7 +2,7 @@
 and the training-side decode on a device.
 
     python bench/bench_codecs.py [--quick] [--json out.json]
-    python bench/bench_codecs.py --device cuda          # + the GPU decode of packed fp8/q6/q4 batches
+    python bench/bench_codecs.py --device cuda [--device-only]   # + the GPU decode of packed fp8/q6/q4 batches
 
 GB/s count raw bf16 bytes (S*H*2) on both sides, per CPU-second of the calling thread (so a busy
 machine does not distort them); the scaling columns are wall-clock ratios 1 thread / N threads. `fp8` and
@@ -187,18 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     p.add_argument("--device", default="cpu", help="where to time the training-side decode (e.g. cuda)")
+    p.add_argument(
+        "--device-only", action="store_true", help="only the training-side decode (skip the CPU table)"
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.hidden, args.layers, args.repeat = 256, 512, 3, 1
     torch.set_num_threads(1)  # per-core numbers: torch's own pool must not hide the codec's cost
-    results = bench(args)
-    mb = args.tokens * args.hidden * args.layers * 2 / 1e6
-    print(f"LLM-like bf16 states: {args.layers} layers x [{args.tokens}, {args.hidden}] = {mb:.0f} MB raw")
-    cols = [k for k in results[0] if k != "codec"]
-    print(f"{'codec':<16}" + "".join(f"{c:>20}" for c in cols))
-    for r in results:
-        print(f"{r['codec']:<16}" + "".join(f"{r[c]:>20.4f}" for c in cols))
+    results = [] if args.device_only else bench(args)
+    if results:
+        mb = args.tokens * args.hidden * args.layers * 2 / 1e6
+        print(
+            f"LLM-like bf16 states: {args.layers} layers x [{args.tokens}, {args.hidden}] = {mb:.0f} MB raw"
+        )
+        cols = [k for k in results[0] if k != "codec"]
+        print(f"{'codec':<16}" + "".join(f"{c:>20}" for c in cols))
+        for r in results:
+            print(f"{r['codec']:<16}" + "".join(f"{r[c]:>20.4f}" for c in cols))
     on_device = device_decode(args)
     print(f"training-side decode (PackedBatch.dequantized) on {args.device}, GB/s of bf16 out:")
     for r in on_device:

@@ -92,6 +92,13 @@ _SHRINK = 4.0  # pseudo-tokens pulling a row's channel scales to its median: sho
 _STAT_TOKENS = 512  # tokens per row the channel statistics read (evenly spaced): plenty for a mean of logs
 
 
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on `device` without a host sync: a pageable copy would wait for the GPU's queue
+    (the extractor's forward) to drain before the next batch could be queued."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _stat_tokens(lengths: Sequence[int] | None, n: int) -> tuple[np.ndarray, np.ndarray]:
     """(token index, row id) of up to _STAT_TOKENS evenly spaced tokens of each row."""
     lengths = [n] if lengths is None else [int(x) for x in lengths]
@@ -116,7 +123,7 @@ def channel_scale_codes(x: torch.Tensor, lengths: Sequence[int] | None = None) -
     ordinary values into its group's rounding noise."""
     n, h = x.shape
     rows = 1 if lengths is None else len(lengths)
-    idx, row = (torch.from_numpy(a).to(x.device) for a in _stat_tokens(lengths, n))
+    idx, row = (_to_device(a, x.device) for a in _stat_tokens(lengths, n))
     # floor(log2|x|) + 127 from the exponent field of bfloat16 bits (int16 shifts are the fast ones on a CPU)
     e = (x.index_select(0, idx).to(torch.bfloat16).view(torch.int16) >> 7) & 0xFF
     seen = ((e > 0) & (e < 0xFF)).float()  # 0: zero or subnormal, 255: inf or NaN; both left out
@@ -173,7 +180,7 @@ def quantize_q(
     ratio = _ratio_table_on(dev)
     inv = 1.0 / channel_multipliers(channel)
     if lengths is not None and len(lengths) > 1:  # each token's row's channel factors
-        seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(list(lengths))).to(dev)
+        seg = _to_device(np.repeat(np.arange(len(lengths)), lengths), dev)
     else:
         seg = None
     step = max(1, _QUANT_CHUNK // (groups * GROUP))

@@ -127,6 +127,11 @@ def test_dry_run_json(setup, capsys):
     assert out["max_batch_tokens"] <= 512 and out["padded_tokens"] >= out["tokens"]
     assert set(out["bytes_estimate"]) == {"raw", "lossless", "fp8", "q6", "q4"}
     assert out["bytes_estimate"]["raw"] >= out["tokens"] * 5 * 5120 * 2
+    est, table = out["bytes_estimate"], out["codecs"]
+    assert list(table) == ["raw", "lossless", "fp8", "q6", "q4"]
+    assert est["raw"] > est["lossless"] > est["fp8"] > est["q6"] > est["q4"]
+    assert table["q4"]["bytes"] == est["q4"] and table["q4"]["tau"] == "not measured"
+    assert table["q4"]["tau_delta"] is None and 0.05 < table["q4"]["rel_error"] < 0.2
     assert not (tmp_path / "cache").exists()  # a dry run writes nothing
 
 
@@ -142,11 +147,14 @@ def test_dry_run_table(setup, capsys):
         "batches",
         "padding",
         "cache size",
-        "fp8",
+        "fp8 *",
         "lossless",
         "free space",
+        "tau vs lossless",
     ):
         assert word in text
+    q4 = next(line for line in text.splitlines() if line.startswith("q4 "))
+    assert "not measured" in q4 and "%" in q4
 
 
 def test_bad_target_config_is_one_line(setup, capsys):

@@ -33,22 +33,14 @@ from typing import Any
 
 import torch
 
+from .atomic import commit_dir, temp_path
 from .codecs import Codec, codec_names, get_codec
 from .errors import ManifestMismatch, ShardError
-from .manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ShardInfo,
-    diff_manifests,
-    fsync_dir,
-    load_manifest,
-    save_manifest,
-)
-from .reader import SHARDS_DIR, Cache, ShardReader
+from .manifest import Manifest, ShardInfo, diff_manifests, load_manifest, save_manifest
+from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
+from .reader import Cache, ShardReader
+from .target_parts import check_target_parts, stale_target_dirs, target_dir
 from .writer import Committer, EncodedSample, ShardMeta, ShardWriter, encode_sample, stale_temp_files
-
-TARGET_DIR = "target"
-LOCK_NAME = ".lock"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -138,23 +130,18 @@ def _start(out: Path, expected: Manifest) -> None:
 
 
 def _copy_target(source: Path, out: Path) -> None:
-    """CACHE/target/ -> NEW/target/ through a temp directory renamed into place (whole or absent)."""
-    src, final = source / TARGET_DIR, out / TARGET_DIR
-    if final.is_dir() or not src.is_dir():
-        return
-    tmp = out / f".{TARGET_DIR}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        shutil.copytree(src, tmp)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        os.replace(tmp, final)
-        fsync_dir(out)
-    except BaseException:
+    """CACHE/target/ -> NEW/target/ whole or not at all, then checked as extraction checks it."""
+    final = target_dir(out)
+    if not final.is_dir():
+        tmp = temp_path(final)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        try:
+            shutil.copytree(target_dir(source), tmp)
+            commit_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    check_target_parts(out)
 
 
 def _committed_info(path: Path, source: ShardInfo) -> ShardInfo | None:
@@ -218,6 +205,7 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
     with Cache.open(config.source) as source:
         if codec == source.codec:
             raise ValueError(f"{config.source} is already stored with codec {config.codec!r}")
+        check_target_parts(config.source)  # training needs them: refuse a source without before any work
         expected = converted_manifest(source.manifest, codec)
         config.out.mkdir(parents=True, exist_ok=True)
         lock = _Lock(config.out / LOCK_NAME)
@@ -227,7 +215,7 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
             shard_dir.mkdir(exist_ok=True)
             for stale in stale_temp_files(shard_dir):
                 stale.unlink(missing_ok=True)
-            for stale in config.out.glob(f".{TARGET_DIR}.tmp-*"):
+            for stale in stale_target_dirs(config.out):
                 shutil.rmtree(stale, ignore_errors=True)
             _copy_target(config.source, config.out)
             threads = config.threads or max(1, os.cpu_count() or 1)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from common.fake_cache import TINY_TARGET, write_fake_cache
 from common.synth import make_cache
 from dflash.shards import Cache, ManifestMismatch, ShardError, get_codec, load_manifest, verify_cache
 from dflash.shards.convert import ConvertConfig, convert_cache
@@ -24,12 +25,15 @@ TESTS = Path(__file__).resolve().parent
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _source(path: Path, lengths: list[int], codec: str = "lossless", **kw) -> Path:
-    make_cache(path, lengths, codec=codec, **kw)
-    (path / "target").mkdir()
-    (path / "target" / "config.json").write_text('{"model_type": "qwen3"}')
-    (path / "target" / "tokenizer.json").write_text("{}")
-    return path
+def _source(
+    path: Path, rows: int, codec: str = "lossless", *, per_shard: int = 3, hidden: int = 32, **kw
+) -> Path:
+    """A complete cache with its target/ parts, rows of 1..40 tokens."""
+    target = {**TINY_TARGET, "hidden_size": hidden}
+    kw.setdefault("min_len", 1)
+    return write_fake_cache(
+        path, num_samples=rows, samples_per_shard=per_shard, codec=codec, target=target, **kw
+    )
 
 
 def _shard_bytes(cache: Path) -> dict[str, bytes]:
@@ -38,26 +42,28 @@ def _shard_bytes(cache: Path) -> dict[str, bytes]:
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=9),
+    rows=st.integers(1, 9),
     pair=st.sampled_from([("lossless", "fp8"), ("lossless", "q4"), ("fp8", "q6"), ("q4", "lossless")]),
     per_shard=st.integers(1, 4),
     hidden=st.sampled_from([8, 33, 64]),
+    seed=st.integers(0, 1000),
 )
 def test_convert_is_decode_then_encode_and_verifies(
     tmp_path_factory: pytest.TempPathFactory,
-    lengths: list[int],
+    rows: int,
     pair: tuple[str, str],
     per_shard: int,
     hidden: int,
+    seed: int,
 ) -> None:
     root = tmp_path_factory.mktemp("convert")
     src_codec, dst_codec = pair
-    src = _source(root / "src", lengths, src_codec, rows_per_shard=per_shard, hidden=hidden, layers=(0, 2))
+    src = _source(root / "src", rows, src_codec, per_shard=per_shard, hidden=hidden, layers=(0, 2), seed=seed)
     result = convert_cache(ConvertConfig(source=src, out=root / "dst", codec=dst_codec, threads=2))
-    assert result.converted == result.shards == len(load_manifest(src).shards) and result.rows == len(lengths)
+    assert result.converted == result.shards == len(load_manifest(src).shards) and result.rows == rows
     codec = get_codec(dst_codec)
     with Cache.open(src) as a, Cache.open(root / "dst") as b:
-        assert verify_cache(b, dataset_rows=len(lengths)).ok
+        assert verify_cache(b, dataset_rows=rows).ok
         assert b.shard_names == a.shard_names and [e.row for e in b.entries()] == [e.row for e in a.entries()]
         for e in a.entries():
             x, y = a.read(e.row), b.read(e.row)
@@ -70,7 +76,8 @@ def test_convert_is_decode_then_encode_and_verifies(
         assert new["options"]["converted_from"][-1]["codec"] == old["codec"]
         for key in ("target", "layers", "hidden_size", "dataset", "plan", "skipped"):
             assert new[key] == old[key], key
-    assert (root / "dst" / "target" / "tokenizer.json").read_text() == "{}"
+    for part in ("config.json", "frozen.safetensors", "tokenizer.json"):
+        assert (root / "dst" / "target" / part).read_bytes() == (src / "target" / part).read_bytes()
     # a re-run finds everything committed and does nothing
     again = convert_cache(ConvertConfig(source=src, out=root / "dst", codec=dst_codec))
     assert again.converted == 0 and again.shards == result.shards
@@ -92,7 +99,7 @@ _KILLED = textwrap.dedent(
 
 
 def test_resume_after_sigkill_equals_an_uninterrupted_conversion(tmp_path: Path) -> None:
-    src = _source(tmp_path / "src", [20 + i for i in range(24)], rows_per_shard=3)
+    src = _source(tmp_path / "src", 24, min_len=20, max_len=40)
     reference = convert_cache(ConvertConfig(source=src, out=tmp_path / "reference", codec="q4"))
     out = tmp_path / "killed"
     code = _KILLED.format(tests=str(TESTS), src=str(src), out=str(out))
@@ -124,12 +131,12 @@ def test_resume_after_sigkill_equals_an_uninterrupted_conversion(tmp_path: Path)
 
 
 def test_other_settings_or_source_are_refused_naming_the_field(tmp_path: Path) -> None:
-    src = _source(tmp_path / "src", [5, 6, 7], rows_per_shard=2)
+    src = _source(tmp_path / "src", 3, per_shard=2)
     out = tmp_path / "out"
     convert_cache(ConvertConfig(source=src, out=out, codec="fp8"))
     with pytest.raises(ManifestMismatch, match=r"codec.name: 'fp8' != 'q4'"):
         convert_cache(ConvertConfig(source=src, out=out, codec="q4"))
-    other = _source(tmp_path / "other", [5, 6, 8], rows_per_shard=2)
+    other = _source(tmp_path / "other", 3, per_shard=2, seed=1)
     with pytest.raises(ManifestMismatch, match=r"options.converted_from"):
         convert_cache(ConvertConfig(source=other, out=out, codec="fp8"))
     with pytest.raises(ValueError, match="already stored with codec 'lossless'"):
@@ -140,12 +147,17 @@ def test_other_settings_or_source_are_refused_naming_the_field(tmp_path: Path) -
     make_cache(incomplete, [3, 4], complete=False)
     with pytest.raises(ShardError, match="incomplete"):
         convert_cache(ConvertConfig(source=incomplete, out=tmp_path / "x", codec="q4"))
+    no_parts = tmp_path / "no-parts"
+    make_cache(no_parts, [3, 4])
+    with pytest.raises(FileNotFoundError, match=r"config\.json is missing"):
+        convert_cache(ConvertConfig(source=no_parts, out=tmp_path / "y", codec="q4"))
+    assert not (tmp_path / "y").exists()
 
 
 def test_cli_converts_and_reports_bad_input_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    src = _source(tmp_path / "src", [9, 30, 4, 12], rows_per_shard=2)
+    src = _source(tmp_path / "src", 4, per_shard=2)
     out = tmp_path / "q4"
     assert shards_main(["convert", str(src), "--codec", "q4", "--out", str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

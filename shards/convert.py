@@ -35,8 +35,8 @@ import torch
 
 from .atomic import commit_dir, temp_path
 from .codecs import Codec, codec_names, get_codec
-from .errors import ManifestMismatch, ShardError
-from .manifest import Manifest, ShardInfo, diff_manifests, load_manifest, save_manifest
+from .errors import ShardError
+from .manifest import Manifest, ShardInfo, load_manifest, refuse_other_settings, save_manifest
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
 from .reader import Cache, ShardReader
 from .target_parts import check_target_parts, stale_target_dirs, target_dir
@@ -114,14 +114,9 @@ class _Lock:
 def _start(out: Path, expected: Manifest) -> None:
     """Write the incomplete manifest, or check an existing one against `expected` (resume)."""
     if (out / MANIFEST_NAME).is_file():
-        current = load_manifest(out)
-        differences = diff_manifests(current, expected)
-        if differences:
-            raise ManifestMismatch(
-                f"{out} was converted with other settings or from another cache, resume refused (use the "
-                "same command or another --out); cache != this command",
-                differences,
-            )
+        refuse_other_settings(
+            load_manifest(out), expected, f"{out} was converted with other settings or from another cache"
+        )
         return
     others = [p.name for p in out.iterdir() if not p.name.startswith(".")]
     if others:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.shards.errors import ManifestMismatch, ShardError
-from dflash.shards.manifest import Manifest, diff_manifests, load_manifest, save_manifest
+from dflash.shards.errors import ShardError
+from dflash.shards.manifest import Manifest, load_manifest, refuse_other_settings, save_manifest
 from dflash.shards.paths import (
     LOCK_NAME,
     MANIFEST_NAME,
@@ -239,13 +239,7 @@ def check_or_write_manifest(cache_dir: Path, expected: Manifest, *, write: bool)
     path = cache_dir / MANIFEST_NAME
     if path.is_file():
         current = load_manifest(cache_dir)
-        differences = diff_manifests(current, expected)
-        if differences:
-            raise ManifestMismatch(
-                f"{cache_dir} was extracted with other settings, resume refused (use the same command or "
-                "another --out); cache != this command",
-                differences,
-            )
+        refuse_other_settings(current, expected, f"{cache_dir} was extracted with other settings")
         return current
     if not write:
         raise ShardError(f"{path} is missing although rank 0 reported the cache ready")

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import __version__
 from .atomic import atomic_write_bytes
-from .errors import ShardError
+from .errors import ManifestMismatch, ShardError
 from .paths import MANIFEST_NAME
 from .target_config import decoder_config
 
@@ -215,3 +215,13 @@ def diff_manifests(
             vb = vb.get(part, "missing") if isinstance(vb, Mapping) else "missing"
         _diff(name, va, vb, out)
     return out
+
+
+def refuse_other_settings(current: Manifest, expected: Manifest, what: str) -> None:
+    """A resume whose provenance differs from the cache's is refused, naming every differing field."""
+    differences = diff_manifests(current, expected)
+    if differences:
+        raise ManifestMismatch(
+            f"{what}, resume refused (use the same command or another --out); cache != this command",
+            differences,
+        )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from dflash.shards import Cache, Fp8Block, Sample
+from dflash.shards import Cache, Sample
 from dflash.shards.errors import ShardError
 
 from .blocks import PackedBatch, make_packed_batch
@@ -55,7 +55,7 @@ class DataSpec:
     loader_threads: int = 4
     prefetch_batches: int = 8
     pad_blocks_to_multiple: int = 1
-    dequantize_on_device: bool | None = None  # fp8 stays fp8 until on the device (default: on CUDA)
+    dequantize_on_device: bool | None = None  # fp8/q stay undecoded until on the device (default: on CUDA)
 
     def __post_init__(self) -> None:
         if self.on_corrupt not in ("skip", "fail"):
@@ -155,10 +155,9 @@ def read_sample(
     return sample
 
 
-def _first_rows(layer: torch.Tensor | Fp8Block, m: int) -> torch.Tensor | Fp8Block:
-    if isinstance(layer, Fp8Block):
-        return Fp8Block(q=layer.q[:m], scale=layer.scale[:m])
-    return layer[:m]
+def _first_rows(layer: Any, m: int) -> Any:
+    """The first m tokens of a layer: a tensor, or an undecoded Fp8Block/QBlock."""
+    return layer[:m] if isinstance(layer, torch.Tensor) else layer.head(m)
 
 
 def read_eval_rows(path: str | Path | None) -> frozenset[int]:

@@ -149,3 +149,26 @@ def test_auto_chunks_are_equal_and_bounded() -> None:
     assert all(
         e - s <= -(-100 // 3) for s, e in chunk_bounds(100, loss_module.LOGIT_CHUNK_ELEMENTS // 34, None)
     )
+
+
+def test_compile_setting_reaches_the_config_and_a_resume_may_change_it(tmp_path) -> None:
+    from dflash.shards import Manifest
+    from dflash.train.checkpoint import check_resume
+    from dflash.train.cli import build_config
+
+    on = build_config(["--cache", "c", "--out", "o"])
+    off = build_config(["--cache", "c", "--out", "o", "--no-compile"])
+    assert on.compile is True and off.compile is False and off.to_flat()["compile"] is False
+    model, _, _ = _setup(layers=1)
+    assert not speed_up(model, off.compile) and not speed_up(model, on.compile)  # a CPU: eager either way
+    # A kernel choice, not the trajectory: runs from before the setting existed resume, and may flip it.
+    manifest = Manifest(complete=True, target={}, layers=[1], hidden_size=32, codec={}, dataset={}, options={},
+                        plan={}, shards=[])  # fmt: skip
+    saved = {"config": {k: v for k, v in off.to_flat().items() if k != "compile"}, "cache_provenance": {}}
+    check_resume(saved | {"cache_provenance": _provenance(manifest)}, on.to_flat(), manifest)
+
+
+def _provenance(manifest) -> dict:
+    from dflash.shards.manifest import PROVENANCE_FIELDS
+
+    return {k: manifest.to_dict()[k] for k in PROVENANCE_FIELDS}

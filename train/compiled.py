@@ -6,7 +6,7 @@ kernel reading and writing full activations. Compiled, Inductor fuses each run o
 Attention is left out on purpose: it keeps `mask.py`'s kernel choice and dense fallback.
 
 Public API:
-    speed_up(model, mode="auto", *, backend="inductor") -> bool
+    speed_up(model, mode="auto", *, backend="inductor") -> bool        mode: "auto"/True, "on", "off"/False
         installs compiled `Regions` on a `DFlashDrafter` in place (parameter names, state_dict and DDP are
         unaffected); "auto" compiles on CUDA only. One compiled function serves all layers; shapes that
         change between batches recompile once into a dynamic-shape graph (torch's automatic dynamic).
@@ -80,8 +80,11 @@ def _root_cause(exc: BaseException) -> BaseException:
         exc = inner
 
 
-def speed_up(model: DFlashDrafter, mode: str = "auto", *, backend: str = "inductor") -> bool:
-    """Compile the drafter's regions in place when `mode` asks for it; returns whether it did."""
+def speed_up(model: DFlashDrafter, mode: bool | str = "auto", *, backend: str = "inductor") -> bool:
+    """Compile the drafter's regions in place when `mode` asks for it; returns whether it did.
+    `mode`: "auto" (or True, `TrainConfig.compile`'s default) compiles on CUDA, "on" anywhere, "off" (False)
+    never."""
+    mode = {True: "auto", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
     if mode not in COMPILE_CHOICES:
         raise ValueError(f"compile mode must be one of {', '.join(COMPILE_CHOICES)}, got {mode!r}")
     device = next(model.parameters()).device

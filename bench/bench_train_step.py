@@ -196,7 +196,7 @@ def section_small(args: argparse.Namespace, results: dict, device: torch.device)
     )  # fmt: skip
     tokens = sum(b.num_context_tokens for b in setup.batches) / len(setup.batches)
     say(f"\n[small] {setup.cfg.hidden_size}-wide drafter, {len(setup.batches)} packs of ~{tokens:.0f} tokens")
-    out = results.setdefault("small", {})
+    out, profiles = results.setdefault("small", {}), {}
     for variant in ("before", "new"):
         try:
             step, _ = make_step(variant, setup, args.compile)
@@ -207,6 +207,14 @@ def section_small(args: argparse.Namespace, results: dict, device: torch.device)
             say(
                 f"{variant:<10}{row['steps_per_s']:8.1f} steps/s {row['sequence_tokens_per_s']:12,.0f} seq tok/s"
             )
+
+            def run(step=step) -> None:
+                for i in range(args.profile_steps):
+                    step(setup.batches[i % len(setup.batches)])
+
+            profiles[variant] = row["profile"] = profile_summary.profile_steps(
+                run, args.profile_steps, setup.device
+            )
         except Exception as exc:
             out[variant] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             say(f"{variant:<10}FAILED {type(exc).__name__}: {exc}")
@@ -214,6 +222,9 @@ def section_small(args: argparse.Namespace, results: dict, device: torch.device)
     if "steps_per_s" in out.get("new", {}) and "steps_per_s" in out.get("before", {}):
         out["speedup"] = out["new"]["steps_per_s"] / out["before"]["steps_per_s"]
         say(f"small drafter speedup: {out['speedup']:.2f}x")
+    say(profile_summary.header())
+    for variant, summary in profiles.items():
+        say(profile_summary.format_row(variant, summary))
 
 
 def first_step_child(args: argparse.Namespace, device: torch.device) -> None:
@@ -265,7 +276,7 @@ def section_curve(args: argparse.Namespace, results: dict, device: torch.device)
     )  # fmt: skip
     curves = {}
     for variant in ("before", "new"):
-        step, _ = make_step(variant, setup, args.compile)
+        step, _ = make_step(variant, setup, args.compile, lr=1e-3)  # the tiny preset's learning rate
         curves[variant] = [float(step(batch)) for batch in setup.batches]
     diff = max(abs(a - b) for a, b in zip(curves["before"], curves["new"], strict=True))
     results["curve"] = {**curves, "max_abs_diff": diff}

@@ -146,11 +146,13 @@ def loss_and_backward(variant: str, model: torch.nn.Module, setup: Setup, batch:
     return loss.detach()
 
 
-def make_step(variant: str, setup: Setup, compile_mode: str = "auto") -> tuple[Step, torch.nn.Module]:
+def make_step(
+    variant: str, setup: Setup, compile_mode: str = "auto", lr: float = 6e-4
+) -> tuple[Step, torch.nn.Module]:
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     model = build_model(variant, setup, compile_mode=compile_mode)
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=setup.device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=setup.device.type == "cuda")
 
     def step(batch: PackedBatch) -> torch.Tensor:
         loss = loss_and_backward(variant, model, setup, batch)

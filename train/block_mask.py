@@ -108,14 +108,22 @@ def layout_block_mask(batch: PackedBatch, tile: int = 128) -> object:
     counts = intervals.tile_counts(tile, tile)
     full = counts == tile * tile
     partial = (counts > 0) & ~full
+    # The backward walks the same tiles per key tile: the transposed matrices, ordered the same way
+    # (what BlockMask.from_kv_blocks derives through a dense round trip).
     kv_num, kv_indices = _ordered(partial)
-    full_num, full_indices = _ordered(full)
-    return BlockMask.from_kv_blocks(
+    full_kv_num, full_kv_indices = _ordered(full)
+    q_num, q_indices = _ordered(partial.t())
+    full_q_num, full_q_indices = _ordered(full.t())
+    return BlockMask(
+        (batch.num_blocks * batch.block_size, intervals.num_keys),
         kv_num,
         kv_indices,
-        full_num,
-        full_indices,
-        BLOCK_SIZE=tile,
-        mask_mod=intervals.mask_mod(),
-        seq_lengths=(batch.num_blocks * batch.block_size, intervals.num_keys),
+        full_kv_num,
+        full_kv_indices,
+        q_num,
+        q_indices,
+        full_q_num,
+        full_q_indices,
+        (tile, tile),
+        intervals.mask_mod(),
     )

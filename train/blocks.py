@@ -33,7 +33,10 @@ _GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 
 @dataclass(slots=True)
 class PackedBatch:
-    """Several sequences' context tokens and blocks. T context tokens, N blocks of B slots."""
+    """Several sequences' context tokens and blocks. T context tokens, N blocks of B slots.
+
+    Layout (`block_mask.py` relies on it): each sequence's context tokens are contiguous and in position
+    order from 0, sequences in pack order (`context_seq` sorted)."""
 
     features: torch.Tensor  # [T, K*H] target features, layers concatenated in target_layer_ids order
     context_pos: torch.Tensor  # [T] long, position within its own sequence

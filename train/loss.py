@@ -48,6 +48,15 @@ def chunk_bounds(rows: int, vocab: int, chunk_rows: int | None) -> list[tuple[in
     return [(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows)]
 
 
+def _row_terms(
+    x: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp per row, sum of scale * CE, argmax) of fp32 logits x."""
+    lse = torch.logsumexp(x, dim=-1)
+    target = x.gather(1, labels[:, None]).squeeze(1)
+    return lse, ((lse - target) * scale).sum(), x.argmax(dim=-1)
+
+
 def chunk_terms(
     logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, need_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -56,10 +65,7 @@ def chunk_terms(
     Written out of place for torch.compile (`compiled.loss_epilogue`), which fuses it into two passes over
     the logits; eagerly it computes exactly what `_chunk_terms_in_place` does, in more memory."""
     x = logits.float()
-    lse = torch.logsumexp(x, dim=-1)
-    target = x.gather(1, labels[:, None]).squeeze(1)
-    loss_sum = ((lse - target) * scale).sum()
-    preds = x.argmax(dim=-1)
+    lse, loss_sum, preds = _row_terms(x, labels, scale)
     if not need_grad:
         return loss_sum, preds, None
     probs = torch.exp(x - lse[:, None])
@@ -72,18 +78,14 @@ def _chunk_terms_in_place(
     logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, need_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`chunk_terms` for eager runs: one fp32 copy of the logits, reused for the gradient."""
-    dtype = logits.dtype
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    target = logits.gather(1, labels[:, None]).squeeze(1)
-    loss_sum = ((lse - target) * scale).sum()
-    preds = logits.argmax(dim=-1)
+    x = logits.float()
+    lse, loss_sum, preds = _row_terms(x, labels, scale)
     if not need_grad:
         return loss_sum, preds, None
-    probs = logits.sub_(lse[:, None]).exp_()
+    probs = x.sub_(lse[:, None]).exp_()
     probs.scatter_add_(1, labels[:, None], -torch.ones_like(lse[:, None]))
     probs.mul_(scale[:, None])
-    return loss_sum, preds, probs.to(dtype)
+    return loss_sum, preds, probs.to(logits.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -212,6 +212,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """The projections and norms of one layer's attention; `DecoderLayer` calls `project`, the mask's
+    `attend`, then `output` (the kernel call sits between two separately compilable parts)."""
+
     def __init__(self, config: DrafterConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
@@ -251,18 +254,6 @@ class Attention(nn.Module):
         """[1, heads, M, D] attention output -> [M, H]."""
         m = attended.shape[2]
         return self.o_proj(attended[0].transpose(0, 1).reshape(m, self.num_heads * self.head_dim))
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor,
-        rope_blocks: tuple[torch.Tensor, torch.Tensor],
-        rope_context: tuple[torch.Tensor, torch.Tensor],
-        attn_mask: AttentionMask,
-    ) -> torch.Tensor:
-        """x: normed block tokens [M, H]; context: fused target features [T, H]. Returns [M, H]."""
-        q, k, v = self.project(x, context, rope_blocks, rope_context)
-        return self.output(attn_mask.attend(q, k, v, scale=self.head_dim**-0.5))
 
 
 class MLP(nn.Module):

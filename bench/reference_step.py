@@ -134,7 +134,7 @@ def reference_attention(batch: PackedBatch) -> Callable[..., torch.Tensor]:
         )
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    mask = create_block_mask(visible, None, None, m, t + m, device=ctx_seq.device)
+    mask = create_block_mask(visible, None, None, m, t + m, device=ctx_seq.device, _compile=True)
     flex = _compiled_flex(flex_attention)
     return lambda q, k, v, scale: flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
 

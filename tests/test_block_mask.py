@@ -1,4 +1,4 @@
-"""The BlockMask read off the pack layout equals create_block_mask over the rule, tile for tile."""
+"""Masks read off the pack layout equal the rule: the BlockMask tile for tile, the dense mask pair for pair."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from dflash.train.block_mask import KeyIntervals
 from dflash.train.blocks import SequenceInput, make_packed_batch
-from dflash.train.mask import FlexMask, dense_mask
+from dflash.train.mask import DenseMask, FlexMask, dense_mask
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,7 +69,13 @@ def test_layout_block_mask_equals_create_block_mask_over_the_rule(
     q = torch.arange(m)[:, None]
     kv = torch.arange(batch.num_context_tokens + m)[None, :]
     zero = torch.zeros((), dtype=torch.long)
-    assert torch.equal(KeyIntervals.of(batch).mask_mod()(zero, zero, q, kv), dense_mask(batch))
+    rule = dense_mask(batch)
+    assert torch.equal(KeyIntervals.of(batch).mask_mod()(zero, zero, q, kv), rule)
+    # The dense path uses the intervals too; rows that see nothing (padding) attend to their own slot.
+    empty = ~rule.any(dim=1)
+    rule[q[empty, 0], batch.num_context_tokens + q[empty, 0]] = True
+    dense = DenseMask.from_batch(batch)
+    assert torch.equal(dense.allowed, rule) and torch.equal(dense.empty_rows, empty)
 
 
 def test_padding_blocks_have_empty_intervals_and_real_ones_end_at_their_anchor() -> None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from .block_mask import layout_block_mask
+from .block_mask import KeyIntervals, layout_block_mask
 from .compiled import compile_backward_now
 from .config import ATTENTION_CHOICES
 
@@ -92,13 +92,16 @@ class DenseMask:
 
     @classmethod
     def from_batch(cls, batch: PackedBatch) -> DenseMask:
-        allowed = dense_mask(batch)
+        """`dense_mask(batch)` evaluated from the layout's key intervals: the same mask, no host sync."""
+        m, t = batch.num_blocks * batch.block_size, batch.num_context_tokens
+        device = batch.block_seq.device
+        rows = torch.arange(m, device=device)
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        allowed = KeyIntervals.of(batch).mask_mod()(
+            zero, zero, rows[:, None], torch.arange(t + m, device=device)
+        )
         empty = ~allowed.any(dim=1)
-        if bool(empty.any()):
-            m, t = allowed.shape[0], batch.num_context_tokens
-            rows = torch.arange(m, device=allowed.device)
-            allowed = allowed.clone()
-            allowed[rows[empty], t + rows[empty]] = True
+        allowed[rows, t + rows] |= empty
         return cls(allowed=allowed, empty_rows=empty)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -172,3 +172,30 @@ def _provenance(manifest) -> dict:
     from dflash.shards.manifest import PROVENANCE_FIELDS
 
     return {k: manifest.to_dict()[k] for k in PROVENANCE_FIELDS}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inductor_compiled_step_matches_eager_on_gpu(fresh_dynamo) -> None:
+    # Real kernels: Inductor's Triton code for the regions and the loss epilogue, FlexAttention on the
+    # layout BlockMask (the batch is large enough for "auto" to pick it). fp32 without TF32.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, frozen, _ = _setup(layers=2)
+    gen = torch.Generator().manual_seed(3)
+    seqs = [
+        SequenceInput(
+            torch.randint(0, 60, (s,), generator=gen), torch.ones(s, dtype=torch.bool), torch.randn(s, 64)
+        )
+        for s in (1500, 900)
+    ]
+    batch = make_packed_batch(seqs, block_size=4, mask_token_id=63, num_anchors=600, generator=gen).to("cuda")
+    model, frozen = model.cuda(), frozen.to("cuda")
+    assert type(build_attention_mask(batch)).__name__ == "FlexMask"
+    loss, stats, grads = _step(model, frozen, batch)
+    assert speed_up(model, "auto")
+    c_loss, c_stats, c_grads = _step(model, frozen, batch)
+    torch.testing.assert_close(c_loss, loss, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(c_grads[name], grad, atol=1e-5, rtol=1e-3, msg=name)
+    assert abs(c_stats.summary()["acc"] - stats.summary()["acc"]) < 1e-3
+    assert all(getattr(model.regions, n).failure is None for n in ("attention_inputs", "final_norm"))

@@ -37,8 +37,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash.train.mask import visible_pairs
-from dflash.train.model import flops_per_step
+from dataclasses import fields
+
+import dflash.train.compiled as compiled_module
+from dflash.train.compiled import CompiledOrEager
+from dflash.train.mask import flex_failure, visible_pairs
+from dflash.train.model import Regions, flops_per_step
 
 from bench import profile_summary
 from bench.shapes import QWEN3_8B, SMALL, TINY
@@ -111,6 +115,9 @@ def section_step(args: argparse.Namespace, setup: Setup, results: dict) -> None:
             say(f"{variant:<10}{row['seconds_per_step']:9.4f}{row['sequence_tokens_per_s']:11,.0f}"
                 f"{row['tflops']:9.1f}{row.get('peak_memory_gb', 0):9.1f}{row['first_step_s']:9.1f}"
                 f"{ratio.get('reference', float('nan')):8.2f}{ratio.get('before', float('nan')):10.2f}")  # fmt: skip
+            row["fallbacks"] = fallbacks(model)
+            if row["fallbacks"]:
+                say(f"  {variant} ran partly eager: {'; '.join(row['fallbacks'])}")
             del step, model
         except Exception as exc:  # one variant failing must not cost the others their numbers
             rows[variant] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -121,6 +128,20 @@ def section_step(args: argparse.Namespace, setup: Setup, results: dict) -> None:
     say(profile_summary.header())
     for variant, summary in profiles.items():
         say(profile_summary.format_row(variant, summary))
+
+
+def fallbacks(model: torch.nn.Module) -> list[str]:
+    """What gave up on compiled code in this process (each falls back to eager, same math, slower)."""
+    regions = getattr(model, "regions", None)
+    found = [
+        f"{r.name}: {r.failure}"
+        for r in [
+            *(getattr(regions, f.name, None) for f in fields(Regions)),
+            *compiled_module._epilogues.values(),
+        ]
+        if isinstance(r, CompiledOrEager) and r.failure
+    ]
+    return found + ([f"FlexAttention: {flex_failure()}"] if flex_failure() else [])
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

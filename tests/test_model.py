@@ -64,6 +64,16 @@ def test_config_from_nested_transformers5_target() -> None:
     assert cfg.rope_theta == 5e6 and cfg.rope_scaling is None and cfg.target_layer_ids == (3, 6)
 
 
+def test_config_from_moe_target_without_dense_mlp() -> None:
+    # Qwen3.5-35B-A3B's text_config has only moe/shared-expert widths: the drafter MLP is 3 x hidden.
+    text = {k: v for k, v in TARGET.items() if k != "intermediate_size"}
+    text.update(moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    cfg = DrafterConfig.from_target_config(
+        {"model_type": "qwen3_5_moe", "text_config": text}, mask_token_id=95
+    )
+    assert cfg.intermediate_size == 3 * 32
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -133,7 +133,9 @@ class DrafterConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=int(text.get("num_key_value_heads") or heads),
                 head_dim=int(text.get("head_dim") or hidden // heads),
-                intermediate_size=int(text["intermediate_size"]),
+                # MoE-only targets (Qwen3.5-35B-A3B) have no dense MLP width: 3 x hidden is what public
+                # DFlash drafters of such targets use, and Qwen3-30B-A3B's own `intermediate_size`.
+                intermediate_size=int(text.get("intermediate_size") or 3 * hidden),
                 vocab_size=int(text["vocab_size"]),
             )
         except KeyError as exc:

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 
 # Auto chunking keeps a chunk's logits at or under this many elements (Qwen3's 151,936-entry vocab: 1,766 rows,
-# 512 MiB of bf16 logits), in equal chunks so a compiled epilogue sees one shape; a small vocab is one chunk.
+# 512 MiB of bf16 logits) in near-equal chunks, so a compiled epilogue sees one or two shapes (a Qwen3-8B step's
+# 7,680 rows: five of 1,536), not a remainder of every size; a small vocabulary is a single chunk.
 LOGIT_CHUNK_ELEMENTS = 2**28
 
 

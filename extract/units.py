@@ -21,7 +21,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import time
@@ -31,13 +30,18 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shards.errors import ManifestMismatch, ShardError
-from dflash.shards.manifest import MANIFEST_NAME, Manifest, diff_manifests, load_manifest, save_manifest
+from dflash.shards.manifest import Manifest, diff_manifests, load_manifest, save_manifest
+from dflash.shards.paths import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    SHARDS_DIR,
+    committed_shard_names,
+    shard_name,
+    shard_path,
+    unit_of_shard,
+)
 
 log = logging.getLogger(__name__)
-
-SHARDS_DIR = "shards"
-LOCK_NAME = ".lock"
-_SHARD_RE = re.compile(r"^shard-(\d{6,})\.dfs$")
 
 
 class CacheLocked(ShardError):
@@ -73,17 +77,9 @@ class RankInfo:
         return cls(rank=rank, world_size=world, local_rank=local, run_id=run)
 
 
-def unit_of_shard(name: str) -> int | None:
-    m = _SHARD_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
 def committed_units(cache_dir: str | Path) -> set[int]:
     """Unit indexes whose shard is committed (renamed to its final name)."""
-    d = Path(cache_dir) / SHARDS_DIR
-    if not d.is_dir():
-        return set()
-    return {u for p in d.iterdir() if (u := unit_of_shard(p.name)) is not None}
+    return {unit_of_shard(name) for name in committed_shard_names(cache_dir)}
 
 
 def assign_units(num_units: int, committed: Iterable[int], rank: int, world_size: int) -> list[int]:
@@ -94,13 +90,14 @@ def assign_units(num_units: int, committed: Iterable[int], rank: int, world_size
 
 def remove_stale_temp_files(cache_dir: str | Path) -> int:
     """Delete temp files of killed writers (only while no writer of this cache runs)."""
+    from dflash.shards.target_parts import stale_target_dirs
     from dflash.shards.writer import stale_temp_files
 
     n = 0
     for p in stale_temp_files(Path(cache_dir) / SHARDS_DIR):
         p.unlink(missing_ok=True)
         n += 1
-    for p in Path(cache_dir).glob(".target.tmp-*"):
+    for p in stale_target_dirs(cache_dir):
         shutil.rmtree(p, ignore_errors=True)
     return n
 
@@ -267,11 +264,10 @@ def check_or_write_manifest(cache_dir: Path, expected: Manifest, *, write: bool)
 def drop_unreadable_shards(cache_dir: Path, committed: set[int]) -> set[int]:
     """Remove committed shards whose footer does not parse (a disk error after commit): they are redone."""
     from dflash.shards.reader import ShardReader
-    from dflash.shards.writer import shard_name
 
     good = set()
     for u in sorted(committed):
-        path = Path(cache_dir) / SHARDS_DIR / shard_name(u)
+        path = shard_path(cache_dir, shard_name(u))
         try:
             ShardReader.open(path).close()
             good.add(u)

@@ -21,8 +21,7 @@ from .codecs import Codec, Fp8Block, Fp8Codec, codec_from_dict, zstd_decompress_
 from .errors import CorruptFrame, ShardError
 from .layout import FOOTER, MAGIC, Entry, checksum, frame_names, index_checksum, parse_footer, parse_index
 from .manifest import Manifest, ShardInfo, load_manifest
-
-SHARDS_DIR = "shards"
+from .paths import SHARDS_DIR
 
 
 @dataclass(slots=True)
@@ -248,6 +247,7 @@ class Cache:
         self.manifest = manifest
         self.shard_names = shard_names
         self._known = set(shard_names)
+        self._listed = {s.name: s for s in manifest.shards}
         self._from_manifest = from_manifest
         self._max_open = max_open_shards
         self._lock = threading.Lock()
@@ -306,12 +306,30 @@ class Cache:
             if name not in self._known:
                 raise KeyError(f"{self.path}: no shard named {name!r}")
         reader = ShardReader.open(self.path / SHARDS_DIR / name)  # outside the lock: disk I/O
+        if self._from_manifest:
+            self._check_identity(reader)
         with self._lock:
             reader = self._readers.setdefault(name, reader)
             self._readers.move_to_end(name)
             while len(self._readers) > self._max_open:
                 self._readers.popitem(last=False)
             return reader
+
+    def _check_identity(self, reader: ShardReader) -> None:
+        """A shard must be the one the manifest committed: a shard copied in from another extraction has
+        sound checksums of its own, and only its identity tells it apart."""
+        want, got = self._listed[reader.name], reader.info()
+        wrong = [
+            f"{key} {getattr(got, key)!r} != manifest {getattr(want, key)!r}"
+            for key in ("index_checksum", "rows", "bytes")
+            if getattr(got, key) != getattr(want, key)
+        ]
+        if wrong:
+            reader.close()
+            raise ShardError(
+                f"{reader.path}: not the shard this cache's manifest lists ({'; '.join(wrong)}): replaced or "
+                "rewritten after extraction; restore it or re-extract"
+            )
 
     def entries(self) -> list[CacheEntry]:
         """Every sample (row, length, supervised, shard, index) from the shard indexes; reads all footers."""

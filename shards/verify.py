@@ -8,7 +8,8 @@ from typing import Any
 
 from .errors import ShardError
 from .manifest import ShardInfo
-from .reader import SHARDS_DIR, Cache
+from .paths import SHARDS_DIR
+from .reader import Cache
 
 _SHOW = 20  # rows listed per problem line; the count is always exact
 

@@ -77,8 +77,8 @@ def test_config_from_moe_target_without_dense_mlp() -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"target_layer_ids": [1, 8]}, "outside the target"),
-        ({"target_layer_ids": [2, 2]}, "duplicates"),
+        ({"target_layer_ids": [1, 8]}, r"outside \[0, 8\)"),
+        ({"target_layer_ids": []}, "is empty"),
         ({"mask_token_id": 96}, "outside the vocabulary"),
         ({"block_size": 1}, "block_size"),
         ({"num_key_value_heads": 3}, "multiple"),
@@ -89,6 +89,14 @@ def test_config_rejects_bad_values(override: dict, message: str) -> None:
     kwargs = {"mask_token_id": 95, **override}
     with pytest.raises(ValueError, match=message):
         DrafterConfig.from_target_config(TARGET, **kwargs)
+
+
+def test_config_accepts_repeated_layer_ids() -> None:
+    # The shallow-target rule (shards.layers): a drafter may read one target layer more than once.
+    cfg = DrafterConfig.from_target_config(
+        TARGET, mask_token_id=95, num_hidden_layers=2, target_layer_ids=[2, 2]
+    )
+    assert cfg.target_layer_ids == (2, 2) and cfg.num_features == 2
 
 
 def _setup(seed: int = 0, block_size: int = 4):

@@ -15,13 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash.shards.layers import check_layer_ids
+
 ON_CORRUPT_CHOICES = ("skip", "fail")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 ATTENTION_CHOICES = ("auto", "dense", "flex")  # see mask.choose_backend
 
 
 def default_gamma(block_size: int) -> float:
-    """Loss decay for block position k (w_k = exp(-(k-1)/gamma)); the paper's values, interpolated elsewhere."""
+    """Loss decay for block position k (w_k = exp(-(k-1)/gamma)): the paper's 7 / 5 / 4 for B = 16 / 10 / 8,
+    (B - 2) / 2 (at least 1) elsewhere. The one rule: the loader, evaluation and `blocks` all use it."""
     paper = {16: 7.0, 10: 5.0, 8: 4.0}
     return paper.get(block_size, max(1.0, (block_size - 2) / 2.0))
 
@@ -78,13 +81,8 @@ class DraftSpec:
             raise ValueError(
                 f"block_size={self.block_size}: a block needs the anchor and at least one draft slot"
             )
-        if self.target_layer_ids is not None:
-            ids = tuple(int(i) for i in self.target_layer_ids)
-            if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
-                raise ValueError(
-                    f"target_layer_ids={list(ids)}: give distinct non-negative layer ids, e.g. 1,9,17,25,33"
-                )
-            self.target_layer_ids = ids
+        if self.target_layer_ids is not None:  # the target's depth is checked once the cache is open
+            self.target_layer_ids = check_layer_ids(self.target_layer_ids)
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"gamma={self.gamma}: must be > 0")
 

@@ -151,9 +151,9 @@ def test_auto_chunks_are_equal_and_bounded() -> None:
     )
 
 
-def test_compile_setting_reaches_the_config_and_a_resume_may_change_it(tmp_path) -> None:
+def test_compile_setting_reaches_the_config_and_a_resume_may_change_it() -> None:
     from dflash.shards import Manifest
-    from dflash.train.checkpoint import check_resume
+    from dflash.train.checkpoint import cache_identity, check_resume
     from dflash.train.cli import build_config
 
     on = build_config(["--cache", "c", "--out", "o"])
@@ -164,14 +164,8 @@ def test_compile_setting_reaches_the_config_and_a_resume_may_change_it(tmp_path)
     # A kernel choice, not the trajectory: runs from before the setting existed resume, and may flip it.
     manifest = Manifest(complete=True, target={}, layers=[1], hidden_size=32, codec={}, dataset={}, options={},
                         plan={}, shards=[])  # fmt: skip
-    saved = {"config": {k: v for k, v in off.to_flat().items() if k != "compile"}, "cache_provenance": {}}
-    check_resume(saved | {"cache_provenance": _provenance(manifest)}, on.to_flat(), manifest)
-
-
-def _provenance(manifest) -> dict:
-    from dflash.shards.manifest import PROVENANCE_FIELDS
-
-    return {k: manifest.to_dict()[k] for k in PROVENANCE_FIELDS}
+    saved = {"config": {k: v for k, v in off.to_flat().items() if k != "compile"}, **cache_identity(manifest)}
+    check_resume(saved, on.to_flat(), manifest)
 
 
 @pytest.mark.cuda

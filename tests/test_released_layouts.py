@@ -47,22 +47,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LAYERS = [1, 3]  # hybrids: a linear-attention layer and the full-attention one; both below the last layer
 STEPS = 20
-TIED_BUG = (
-    "tied bf16 targets: CACHE/target/frozen.safetensors gets embed_tokens and lm_head as one shared tensor "
-    "and safetensors' save_file refuses it at the end of extraction (issue 11 item 1, fixed on `contract`)"
-)
-
-
-def _family_params() -> list:
-    return [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=TIED_BUG) if family.tied else (),
-        )
-        for name, family in FAMILIES.items()
-    ]
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tokenizer")
@@ -170,7 +154,7 @@ def _check_export_matches_trainer(run: Path, export: Path, cache: Path) -> None:
             torch.testing.assert_close(frozen.logits(hidden[0]), ours[n], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", _family_params())
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_released_layout_end_to_end(
     name: str, tmp_path: Path, tokenizer_dir: Path, dataset: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -35,7 +35,10 @@ from .config import default_gamma
 
 @dataclass(slots=True)
 class PackedBatch:
-    """Several sequences' context tokens and blocks. T context tokens, N blocks of B slots."""
+    """Several sequences' context tokens and blocks. T context tokens, N blocks of B slots.
+
+    Layout (`block_mask.py` relies on it): each sequence's context tokens are contiguous and in position
+    order from 0, sequences in pack order (`context_seq` sorted)."""
 
     features: torch.Tensor  # [T, K*H] target features, layers concatenated in target_layer_ids order
     context_pos: torch.Tensor  # [T] long, position within its own sequence

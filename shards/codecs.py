@@ -83,14 +83,21 @@ def zstd_compress(data: Any, level: int = 1) -> bytes:
     return _compressor(level).compress(data)
 
 
-def zstd_decompress_exact(buf: bytes | memoryview, size: int, what: str) -> bytes:
-    """Decompress one zstd frame that must decode to exactly `size` bytes (never allocates more)."""
+def zstd_decompress_exact(
+    buf: bytes | memoryview, size: int, what: str, keep: int | None = None
+) -> bytes | bytearray:
+    """Decompress one zstd frame that must decode to exactly `size` bytes (never allocates more).
+
+    `keep` < size decodes only the first `keep` bytes (zstd stops after the blocks that hold them), so a
+    reader that needs a prefix never allocates, or spends time on, the rest."""
     try:
         declared = zstandard.frame_content_size(buf)
     except zstandard.ZstdError as exc:
         raise CorruptFrame(f"{what}: not a zstd frame ({exc})") from None
     if declared != size:
         raise CorruptFrame(f"{what}: zstd frame declares {declared} bytes, expected {size}")
+    if keep is not None and keep < size:
+        return _zstd_prefix(buf, keep, what)
     try:
         out = _decompressor().decompress(buf, max_output_size=size)
     except zstandard.ZstdError as exc:
@@ -98,6 +105,35 @@ def zstd_decompress_exact(buf: bytes | memoryview, size: int, what: str) -> byte
     if len(out) != size:
         raise CorruptFrame(f"{what}: decoded {len(out)} bytes, expected {size}")
     return out
+
+
+def _zstd_prefix(buf: bytes | memoryview, keep: int, what: str) -> bytearray:
+    out = bytearray(keep)
+    view, pos = memoryview(out), 0
+    try:
+        with _decompressor().stream_reader(buf, read_across_frames=False) as reader:
+            while pos < keep:
+                n = reader.readinto(view[pos:])
+                if not n:
+                    break
+                pos += n
+    except zstandard.ZstdError as exc:
+        raise CorruptFrame(f"{what}: zstd error: {exc}") from None
+    if pos != keep:
+        raise CorruptFrame(f"{what}: frame ended after {pos} bytes, expected at least {keep}")
+    return out
+
+
+def count_nonfinite(x: torch.Tensor) -> int:
+    """Number of NaN/inf elements of a float tensor (exponent bits all ones; no float temporaries)."""
+    name = dtype_name(x.dtype)
+    t = x.detach().cpu().contiguous()
+    if name == "float32":
+        bits, mask = t.view(torch.int32).numpy().view(np.uint32), np.uint32(0x7F800000)
+    else:
+        bits = t.view(torch.int16).numpy().view(np.uint16)
+        mask = np.uint16(0x7F80 if name == "bfloat16" else 0x7C00)
+    return int(np.count_nonzero(np.bitwise_and(bits, mask) == mask))
 
 
 @dataclass(slots=True)
@@ -239,6 +275,18 @@ class Codec:
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_rows(
+        self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype, rows: int
+    ) -> torch.Tensor:
+        """The first `rows` tokens of the frame (a reader cut to --max-length); codecs that can stop early
+        override this so the rest is never decoded."""
+        out = self.decode(buf, shape, dtype)
+        return out if rows >= shape[0] else out[:rows].clone()
+
+    def nonfinite(self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype) -> int:
+        """NaN/inf values the frame decodes to (what `verify` checks); overrides count without decoding."""
+        return count_nonfinite(self.decode(buf, shape, dtype))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.params})"
 
@@ -307,12 +355,11 @@ class LosslessCodec(Codec):
         pos = _put(out, pos, cobj.flush())
         return pos if pos < end else None
 
-    def decode(
-        self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype
-    ) -> torch.Tensor:
-        name = dtype_name(dtype)
-        itemsize = _ITEMSIZE[name]
-        n = shape[0] * shape[1]
+    @staticmethod
+    def _planes(
+        buf: bytes | memoryview, n: int, itemsize: int, keep: int | None = None, only: range | None = None
+    ) -> dict[int, np.ndarray]:
+        """Byte planes `only` (default all) of an n-element frame, each cut to its first `keep` bytes."""
         view = memoryview(buf)
         head = 4 * itemsize
         if len(view) < head:
@@ -322,15 +369,53 @@ class LosslessCodec(Codec):
             raise CorruptFrame(
                 f"lossless plane lengths {list(lengths)} do not add up to the frame size {len(view)}"
             )
-        planes = []
+        keep = n if keep is None else min(keep, n)
+        planes = {}
         pos = head
         for k, length in enumerate(lengths):
             chunk = view[pos : pos + length]
             pos += length
             if length > n:
                 raise CorruptFrame(f"lossless plane {k} is {length} bytes, more than its {n} elements")
-            raw = chunk if length == n else zstd_decompress_exact(chunk, n, f"lossless plane {k}")
-            planes.append(np.frombuffer(raw, dtype=np.uint8))
+            if only is not None and k not in only:
+                continue
+            if length == n:
+                raw = chunk[:keep]
+            else:
+                raw = zstd_decompress_exact(chunk, n, f"lossless plane {k}", keep)
+            planes[k] = np.frombuffer(raw, dtype=np.uint8)
+        return planes
+
+    def nonfinite(self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype) -> int:
+        # A value is NaN/inf when its exponent bits are all ones: they sit in the top byte plane (and the
+        # top bit of the next one for bfloat16/float32), so the low planes are never decompressed.
+        name = dtype_name(dtype)
+        e = _ITEMSIZE[name]
+        n = shape[0] * shape[1]
+        top_mask, next_bit = {"bfloat16": (0x7F, True), "float16": (0x7C, False), "float32": (0x7F, True)}[
+            name
+        ]
+        planes = self._planes(buf, n, e, only=range(e - 2 if next_bit else e - 1, e))
+        top = planes[e - 1]
+        candidates = np.flatnonzero(np.bitwise_and(top, top_mask) == top_mask)
+        if next_bit and candidates.size:
+            candidates = candidates[planes[e - 2][candidates] >= 0x80]
+        return int(candidates.size)
+
+    def decode(
+        self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype
+    ) -> torch.Tensor:
+        return self.decode_rows(buf, shape, dtype, shape[0])
+
+    def decode_rows(
+        self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype, rows: int
+    ) -> torch.Tensor:
+        name = dtype_name(dtype)
+        itemsize = _ITEMSIZE[name]
+        rows = min(rows, shape[0])
+        n = rows * shape[1]
+        planes = self._planes(buf, shape[0] * shape[1], itemsize, keep=n)
+        shape = (rows, shape[1])
         if itemsize == 2:
             out = np.empty(n, dtype=np.uint16)
             if n:
@@ -370,9 +455,12 @@ class Fp8Codec(Codec):
         cobj = _compressor(self.level).compressobj(size=scale.nbytes + q.nbytes)
         return cobj.compress(scale.tobytes()) + cobj.compress(memoryview(q).cast("B")) + cobj.flush()
 
-    def decode_block(self, buf: bytes | memoryview, shape: tuple[int, int]) -> Fp8Block:
-        """The stored q and scales without dequantizing (a trainer can dequantize on its GPU)."""
-        q, scale = self._unpack(buf, shape)
+    def decode_block(
+        self, buf: bytes | memoryview, shape: tuple[int, int], rows: int | None = None
+    ) -> Fp8Block:
+        """The stored q and scales (first `rows` tokens) without dequantizing (a trainer can dequantize
+        on its GPU)."""
+        q, scale = self._unpack(buf, shape, rows)
         return Fp8Block(q=torch.from_numpy(q.copy()), scale=torch.from_numpy(scale))
 
     def decode(
@@ -380,12 +468,30 @@ class Fp8Codec(Codec):
     ) -> torch.Tensor:
         return _dequantize_fp8_cpu(*self._unpack(buf, shape))
 
+    def decode_rows(
+        self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype, rows: int
+    ) -> torch.Tensor:
+        return _dequantize_fp8_cpu(*self._unpack(buf, shape, rows))
+
+    def nonfinite(self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype) -> int:
+        q, scale = self._unpack(buf, shape)
+        nan = np.count_nonzero(np.bitwise_and(q, 0x7F) == 0x7F)  # S.1111.111: e4m3fn's only NaN
+        bad_scale = ~np.isfinite(scale)
+        if bad_scale.any():  # every value of such a token decodes to inf or NaN (q = 0 gives 0 * inf)
+            nan += int(bad_scale.sum()) * shape[1] - np.count_nonzero(
+                np.bitwise_and(q[bad_scale], 0x7F) == 0x7F
+            )
+        return int(nan)
+
     @staticmethod
-    def _unpack(buf: bytes | memoryview, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    def _unpack(
+        buf: bytes | memoryview, shape: tuple[int, int], rows: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         s, h = shape
-        raw = zstd_decompress_exact(buf, 4 * s + s * h, "fp8 frame")
-        scale = np.frombuffer(raw, dtype="<f4", count=s).astype(np.float32)
-        return np.frombuffer(raw, dtype=np.uint8, offset=4 * s).reshape(s, h), scale
+        rows = s if rows is None else min(rows, s)
+        raw = zstd_decompress_exact(buf, 4 * s + s * h, "fp8 frame", keep=4 * s + rows * h)
+        scale = np.frombuffer(raw, dtype="<f4", count=rows).astype(np.float32)
+        return np.frombuffer(raw, dtype=np.uint8, offset=4 * s, count=rows * h).reshape(rows, h), scale
 
 
 _REGISTRY: dict[str, type[Codec]] = {LosslessCodec.name: LosslessCodec, Fp8Codec.name: Fp8Codec}

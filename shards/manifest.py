@@ -16,6 +16,7 @@ from typing import Any
 
 from . import __version__
 from .errors import ShardError
+from .safe_io import load_json, read_regular
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 1
@@ -99,7 +100,7 @@ class Manifest:
                 f"{source}: format is {d.get('format')!r}, expected {FORMAT_NAME!r}: not a dflash cache"
             )
         version = d.get("version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        if type(version) is not int or version > FORMAT_VERSION or version < 1:  # `true` is not 1
             raise ShardError(
                 f"{source}: format version {version!r} is not supported by this dflash "
                 f"(reads 1..{FORMAT_VERSION}); upgrade dflash to read it"
@@ -158,17 +159,11 @@ def save_manifest(cache_dir: str | os.PathLike, manifest: Manifest) -> Path:
 
 def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
     path = Path(cache_dir) / MANIFEST_NAME
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(
             f"{path}: no manifest: {cache_dir} is not a dflash cache (or extraction never started)"
         )
-    size = path.stat().st_size
-    if size > MAX_MANIFEST_BYTES:
-        raise ShardError(f"{path}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
-    try:
-        d = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ShardError(f"{path}: not valid JSON ({exc})") from None
+    d = load_json(read_regular(path, MAX_MANIFEST_BYTES), str(path))  # refuses FIFOs, deep nesting
     return Manifest.from_dict(d, source=str(path))
 
 

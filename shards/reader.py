@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .codecs import Codec, Fp8Block, Fp8Codec, codec_from_dict, zstd_decompress_exact
+from .codecs import DTYPES, Codec, Fp8Block, Fp8Codec, codec_from_dict, zstd_decompress_exact
 from .errors import CorruptFrame, ShardError
 from .layout import FOOTER, MAGIC, Entry, checksum, frame_names, index_checksum, parse_footer, parse_index
 from .manifest import Manifest, ShardInfo, load_manifest
+from .safe_io import open_regular
 
 SHARDS_DIR = "shards"
 
@@ -68,11 +69,37 @@ def _pread_exact(fd: int, size: int, offset: int, where: str) -> bytes | bytearr
     return buf
 
 
+@dataclass(frozen=True, slots=True)
+class ReadLimits:
+    """What a cache declares about its samples, enforced before anything is decoded: the longest sample
+    (manifest `options.max_len`) and the vocabulary every token id must fall in (`target.vocab_size`)."""
+
+    max_length: int | None = None
+    vocab_size: int | None = None
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> ReadLimits:
+        def positive(value: object) -> int | None:
+            return value if type(value) is int and value >= 1 else None
+
+        return cls(positive(manifest.options.get("max_len")), positive(manifest.target.get("vocab_size")))
+
+
 class ShardReader:
     """One committed shard file; open with `ShardReader.open(path)`."""
 
-    def __init__(self, path: Path, fd: int, file_size: int, index_offset: int, raw_index: bytes):
-        idx = parse_index(raw_index, index_offset, str(path))  # before owning fd: open() closes it on failure
+    def __init__(
+        self,
+        path: Path,
+        fd: int,
+        file_size: int,
+        index_offset: int,
+        raw_index: bytes,
+        limits: ReadLimits = ReadLimits(),
+    ):
+        # Parsed before owning fd: open() closes it on failure.
+        idx = parse_index(raw_index, index_offset, str(path), max_length=limits.max_length)
+        self.limits = limits
         self.path = path
         self.name = path.name
         self._fd = fd
@@ -89,9 +116,10 @@ class ShardReader:
         self._frame_names = frame_names(self.layers)
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> ShardReader:
+    def open(cls, path: str | os.PathLike, limits: ReadLimits = ReadLimits()) -> ShardReader:
+        """Open and validate a shard; `limits` (from the cache's manifest) bound what its index may claim."""
         path = Path(path)
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path, "shard")  # a FIFO or directory is refused here, not hung on or read
         try:
             size = os.fstat(fd).st_size
             if size < len(MAGIC) + FOOTER.size:
@@ -103,7 +131,7 @@ class ShardReader:
             raw = _pread_exact(fd, length, offset, str(path))  # length <= file size: checked by the footer
             if index_checksum(raw) != digest:
                 raise ShardError(f"{path}: index checksum mismatch: the index is corrupt")
-            return cls(path, fd, size, offset, raw)
+            return cls(path, fd, size, offset, raw, limits)
         except BaseException:
             os.close(fd)
             raise
@@ -130,8 +158,9 @@ class ShardReader:
         return list(layers)
 
     def _decode(
-        self, i: int, entry: Entry, k: int, buf: bytes | memoryview, dequantize: bool = True
+        self, i: int, entry: Entry, k: int, buf: bytes | memoryview, dequantize: bool = True, rows: int = 0
     ) -> torch.Tensor | Fp8Block:
+        """Frame k of sample i, checksum verified, cut to its first `rows` tokens (0: all of them)."""
         offset, length, digest = entry.frames[k]
         where = f"{self.path}: sample {i} (row {entry.row}) frame {self._frame_names[k]} at {offset}+{length}"
         if checksum(buf) != digest:
@@ -139,28 +168,47 @@ class ShardReader:
                 f"{where}: checksum mismatch: the shard is corrupt (run `dflash-shards verify`)"
             )
         s = entry.length
+        m = min(rows, s) if rows else s
         try:
             if k == 0:
-                raw = zstd_decompress_exact(buf, 4 * s, "input_ids")
-                return torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int64))
+                raw = zstd_decompress_exact(buf, 4 * s, "input_ids", keep=4 * m)
+                ids = np.frombuffer(raw, dtype="<i4")
+                vocab = self.limits.vocab_size
+                if vocab is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                    bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+                    raise CorruptFrame(f"token id {bad} is outside the target's vocabulary (0..{vocab - 1})")
+                return torch.from_numpy(ids.astype(np.int64))
             if k == 1:
-                raw = np.frombuffer(zstd_decompress_exact(buf, s, "loss_mask"), dtype=np.uint8)
+                raw = np.frombuffer(zstd_decompress_exact(buf, s, "loss_mask", keep=m), dtype=np.uint8)
                 if raw.max() > 1:
                     raise CorruptFrame("loss_mask holds values other than 0/1")
                 return torch.from_numpy(raw.astype(np.bool_))
             if not dequantize and isinstance(self.codec, Fp8Codec):
-                return self.codec.decode_block(buf, (s, self.hidden_size))
+                return self.codec.decode_block(buf, (s, self.hidden_size), rows=m)
+            if m < s:
+                return self.codec.decode_rows(buf, (s, self.hidden_size), self.dtype, m)
             return self.codec.decode(buf, (s, self.hidden_size), self.dtype)
         except CorruptFrame as exc:
             raise CorruptFrame(f"{where}: {exc}") from None
 
-    def read(self, i: int, layers: Sequence[int] | None = None, *, dequantize: bool = True) -> Sample:
+    def read(
+        self,
+        i: int,
+        layers: Sequence[int] | None = None,
+        *,
+        dequantize: bool = True,
+        max_tokens: int | None = None,
+    ) -> Sample:
         """Sample number `i` of this shard (all layers, or only `layers`), checksums verified.
 
+        `max_tokens` cuts the sample to its first tokens while decoding: the rest is never decompressed
+        (a training run's --max-length bounds its memory, whatever length the index claims).
         `dequantize=False` on an fp8 cache returns `Fp8Block`s in `hidden` (half the bytes to move; the
         trainer calls `dequantize_fp8` on its GPU); other codecs ignore it."""
         if not 0 <= i < len(self.entries):
             raise IndexError(f"{self.path}: sample {i} out of range (shard holds {len(self.entries)})")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         entry = self.entries[i]
         wanted = self._layer_slots(layers)
         if layers is None:  # everything: one contiguous read
@@ -173,16 +221,17 @@ class ShardReader:
             for k in slots:
                 off, ln, _ = entry.frames[k]
                 bufs[k] = _pread_exact(self._fd, ln, off, str(self.path))
+        rows = max_tokens or 0
         hidden = {
             layer: self._decode(
-                i, entry, 2 + self._layer_pos[layer], bufs[2 + self._layer_pos[layer]], dequantize
+                i, entry, 2 + self._layer_pos[layer], bufs[2 + self._layer_pos[layer]], dequantize, rows
             )
             for layer in wanted
         }
         return Sample(
             row=entry.row,
-            input_ids=self._decode(i, entry, 0, bufs[0]),
-            loss_mask=self._decode(i, entry, 1, bufs[1]),
+            input_ids=self._decode(i, entry, 0, bufs[0], rows=rows),
+            loss_mask=self._decode(i, entry, 1, bufs[1], rows=rows),
             hidden=hidden,
         )
 
@@ -198,6 +247,15 @@ class ShardReader:
 
     def __iter__(self) -> Iterator[Sample]:
         return self.iter()
+
+    def raw_frames(self, i: int) -> list[memoryview]:
+        """Sample i's stored frame bytes (one read), unchecked: for `verify`, which checks them itself."""
+        entry = self.entries[i]
+        view = memoryview(_pread_exact(self._fd, entry.end - entry.start, entry.start, str(self.path)))
+        return [view[off - entry.start : off - entry.start + ln] for off, ln, _ in entry.frames]
+
+    def frame_name(self, k: int) -> str:
+        return self._frame_names[k]
 
     def verify(self) -> list[str]:
         """Re-hash every frame; returns one line per bad frame (empty if the shard is sound)."""
@@ -231,6 +289,30 @@ class ShardReader:
             self.close()
 
 
+def check_manifest_for_reading(m: Manifest, source: str) -> None:
+    """Refuse, in one line, a manifest a reader cannot trust: unknown codec or dtype, repeated layers, and
+    for a complete cache missing layers or a duplicated or malformed shard entry."""
+    try:
+        codec_from_dict(m.codec)
+    except ValueError as exc:
+        raise ShardError(f"{source}: codec: {exc}") from None
+    if m.dtype not in DTYPES:
+        raise ShardError(f"{source}: dtype {m.dtype!r} is not one of {sorted(DTYPES)}")
+    if len(set(m.layers)) != len(m.layers):
+        raise ShardError(f"{source}: 'layers' lists a layer twice: {m.layers}")
+    if not m.complete:
+        return
+    if not m.layers or m.hidden_size < 1:
+        raise ShardError(f"{source}: a complete cache needs layers and hidden_size >= 1")
+    seen: set[str] = set()
+    for n in (s.name for s in m.shards):
+        if "/" in n or "\\" in n or not n.startswith("shard-") or not n.endswith(".dfs"):
+            raise ShardError(f"{source}: shard name {n!r} is not of the form shard-NNNNNN.dfs")
+        if n in seen:
+            raise ShardError(f"{source}: shard {n} is listed twice")
+        seen.add(n)
+
+
 class Cache:
     """A cache directory; open with `Cache.open(path)`. Shards open lazily and are shared by threads."""
 
@@ -250,6 +332,7 @@ class Cache:
         self._known = set(shard_names)
         self._from_manifest = from_manifest
         self._max_open = max_open_shards
+        self.limits = ReadLimits.of(manifest)
         self._lock = threading.Lock()
         # Most recently used readers; an evicted reader closes its descriptor when the last thread
         # still holding it lets go (reference counting), so eviction never breaks a read in flight.
@@ -265,13 +348,9 @@ class Cache:
         At most `max_open_shards` readers (file descriptors + parsed indexes) stay cached."""
         path = Path(path)
         manifest = load_manifest(path)
+        check_manifest_for_reading(manifest, f"{path}/manifest.json")
         if manifest.complete:
             names = [s.name for s in manifest.shards]
-            for n in names:
-                if "/" in n or "\\" in n or not n.startswith("shard-") or not n.endswith(".dfs"):
-                    raise ShardError(
-                        f"{path}/manifest.json: shard name {n!r} is not of the form shard-NNNNNN.dfs"
-                    )
             return cls(path, manifest, names, True, max_open_shards)
         if require_complete:
             raise ShardError(
@@ -305,7 +384,7 @@ class Cache:
                 return reader
             if name not in self._known:
                 raise KeyError(f"{self.path}: no shard named {name!r}")
-        reader = ShardReader.open(self.path / SHARDS_DIR / name)  # outside the lock: disk I/O
+        reader = ShardReader.open(self.path / SHARDS_DIR / name, self.limits)  # outside the lock: disk I/O
         with self._lock:
             reader = self._readers.setdefault(name, reader)
             self._readers.move_to_end(name)

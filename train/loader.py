@@ -235,16 +235,14 @@ class StreamingLoader:
 
     def _read(self, ref: SampleRef, reader: ShardReader) -> object | ShardError:
         try:
-            sample = reader.read(ref.index, self.layer_ids, dequantize=not self.fp8_on_device)
+            # Cut to --max-length while decoding: the tokens past it are never decompressed.
+            return reader.read(
+                ref.index, self.layer_ids, dequantize=not self.fp8_on_device, max_tokens=self.max_length
+            )
         except ShardError as exc:
             if self.on_corrupt != "skip":
                 raise ShardError(f"{exc} (pass --on-corrupt skip to drop corrupt samples)") from None
             return exc
-        if sample.length > self.max_length:
-            m = self.max_length
-            sample.input_ids, sample.loss_mask = sample.input_ids[:m], sample.loss_mask[:m]
-            sample.hidden = {k: _first_rows(v, m) for k, v in sample.hidden.items()}
-        return sample
 
     def _build(self, job: _Job, reads: list[Future]) -> LoadedBatch:
         samples, skipped = [], 0
@@ -384,9 +382,3 @@ class StreamingLoader:
                     return
         except BaseException as exc:
             put(out, exc)
-
-
-def _first_rows(layer: torch.Tensor | Fp8Block, m: int) -> torch.Tensor | Fp8Block:
-    if isinstance(layer, Fp8Block):
-        return Fp8Block(q=layer.q[:m], scale=layer.scale[:m])
-    return layer[:m]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.shards.manifest import decoder_config
+from dflash.shards.outdir import check_out_dir
+from dflash.shards.safe_io import read_json
 
 from .config import ExtractConfig
 from .dataset import TokenDataset, open_dataset
@@ -53,10 +55,7 @@ def read_target_shape(target: Path) -> TargetShape:
         raise FileNotFoundError(
             f"target: no config.json in {target}; pass the HF model directory as --target"
         )
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"target: {path} is not valid JSON ({exc})") from exc
+    config = read_json(path, max_bytes=16 << 20, what="target:")  # depth-limited; FIFOs refused
     if not isinstance(config, dict):
         raise ValueError(f"target: {path} holds a JSON {type(config).__name__}, not a config object")
     text = decoder_config(config)
@@ -193,6 +192,8 @@ def format_summary(s: dict) -> str:
 
 def run_dry_run(config: ExtractConfig) -> dict:
     """Prepare, print the table (or one JSON object with `config.json`), return the summary."""
+    if config.out is not None:
+        check_out_dir(config.out, "cache")  # the run would refuse this --out: say so now
     target = read_target_shape(config.target)
     summary = dry_run_summary(config, prepare(config, target))
     print(json.dumps(summary) if config.json else format_summary(summary), flush=True)

@@ -27,13 +27,16 @@ import numpy as np
 import torch
 from dflash.shards.codecs import get_codec
 from dflash.shards.manifest import Manifest, ShardInfo, save_manifest, target_info
+from dflash.shards.outdir import claim_out_dir
 from dflash.shards.writer import ShardMeta, shard_name
 
 from .config import ExtractConfig
 from .dataset import open_dataset
+from .dryrun import read_target_shape
+from .identity import weights_fingerprint
 from .plan import Batch, WorkUnit, bytes_per_token, plan_batches, plan_units
 from .result import ExtractResult, format_summary
-from .stages import Channel, GpuStep, StageStats, Stopped, drain, load_batches, write_shards
+from .stages import Channel, GpuStep, StageStats, Stopped, drain, load_batches, skipped_in_shard, write_shards
 from .target import CapturingTarget, load_target, read_target_info
 from .target_parts import write_target_parts
 from .units import (
@@ -45,6 +48,7 @@ from .units import (
     committed_units,
     drop_unreadable_shards,
     remove_stale_temp_files,
+    wait_for_claim,
     wait_for_other_ranks,
 )
 from .validate import validate
@@ -100,11 +104,17 @@ class _Setup:
 def _prepare(config: ExtractConfig, rank: RankInfo) -> _Setup:
     device = resolve_device(config.device, rank.local_rank)
     dtype = resolve_dtype(config.dtype, device)
+    read_target_shape(config.target)  # one-line errors for a malformed config.json before transformers
     info = read_target_info(config.target, trust_remote_code=config.trust_remote_code)
     layers = config.resolved_layers(info.num_layers)
     codec = get_codec(config.codec)
     ds = open_dataset(config.dataset, config.columns)
     report = validate(ds, vocab_size=info.vocab_size, max_len=config.max_len, overlong=config.overlong)
+    if not len(report.rows) and not config.allow_empty:
+        raise ValueError(
+            f"{config.dataset}: no row to extract ({ds.num_rows} rows, {len(report.skipped_rows)} skipped: "
+            f"{report.counts}); pass --allow-empty to write an empty cache anyway"
+        )
     batches = plan_batches(
         report.rows, report.lengths, token_budget=config.token_budget, pad_multiple=config.pad_multiple
     )
@@ -116,7 +126,10 @@ def _prepare(config: ExtractConfig, rank: RankInfo) -> _Setup:
     compute = str(dtype).removeprefix("torch.")
     stored = codec.stored_dtype(compute)
     manifest = Manifest(
-        target=target_info(info.config_dict, str(config.target), dtype=compute),
+        target={
+            **target_info(info.config_dict, str(config.target), dtype=compute),
+            "weights_sha256": weights_fingerprint(config.target),
+        },
         layers=layers,
         dtype=stored,
         hidden_size=info.hidden_size,
@@ -129,6 +142,7 @@ def _prepare(config: ExtractConfig, rank: RankInfo) -> _Setup:
             "pad_multiple": config.pad_multiple,
             "unit_bytes": config.unit_bytes,
             "compute_dtype": compute,
+            **({"allow_empty": True} if config.allow_empty else {}),
         },
         plan={
             "units": len(units),
@@ -190,9 +204,9 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
 
         progress = tqdm(total=rows, unit="row", desc="extract", mininterval=1.0, file=sys.stderr)
 
-    def guarded(fn: Any, *args: Any) -> None:
+    def guarded(fn: Any, *args: Any, **kwargs: Any) -> None:
         try:
-            fn(*args)
+            fn(*args, **kwargs)
         except Stopped:
             pass
         except BaseException as exc:
@@ -213,6 +227,7 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
             target=guarded,
             name="dflash-drain",
             args=(drain, q_out, q_write, s.device, pool, s.codec, fp8, stats.clock("d2h"), stats, add_encode),
+            kwargs={"layers": s.layers, "on_nonfinite": cfg.on_nonfinite},
         ),
         threading.Thread(
             target=guarded,
@@ -271,12 +286,19 @@ def _finalize(s: _Setup) -> Manifest:
     from dflash.shards.reader import ShardReader
 
     infos: list[ShardInfo] = []
+    nonfinite: list[dict[str, Any]] = []
     for u in range(len(s.units)):
         with ShardReader.open(s.config.out / SHARDS_DIR / shard_name(u)) as r:
             infos.append(r.info())
+            nonfinite.extend(skipped_in_shard(r))
+    if not sum(i.rows for i in infos) and not s.config.allow_empty:
+        raise ValueError(
+            f"{s.config.out}: every row was skipped ({len(nonfinite)} for non-finite hidden states), the "
+            "cache would be empty; fix the target or pass --allow-empty"
+        )
     m = Manifest.from_dict(s.manifest.to_dict())
     m.shards = infos
-    m.skipped = s.report.skipped_records()
+    m.skipped = sorted(s.report.skipped_records() + nonfinite, key=lambda r: r["row"])
     m.complete = True
     save_manifest(s.config.out, m)
     return m
@@ -302,6 +324,11 @@ def run_extraction(
         )
     extract_s = cpu_s = 0.0
     out = Path(config.out)
+    # The --out rule before anything is created or deleted in it (a lock file included).
+    if rank.rank == 0:
+        claim_out_dir(out, "cache")
+    else:
+        wait_for_claim(out)
     locks = RunLocks(out, rank)
     locks.acquire()
     stats = StageStats()
@@ -364,7 +391,7 @@ def run_extraction(
         units_done=len(done),
         units_committed=len(committed_units(out)),
         rows=stats.rows,
-        rows_skipped=len(s.report.skipped_rows),
+        rows_skipped=len(s.report.skipped_rows) + stats.rows_nonfinite,
         tokens=stats.tokens,
         bytes_written=stats.bytes_written,
         raw_bytes=stats.raw_bytes,

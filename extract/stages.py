@@ -1,20 +1,28 @@
 """The extraction pipeline's stages, joined by bounded queues; the GPU stage should never wait.
 
     loader thread   gather a batch's rows into (pinned) host tensors                 -> q_in
-    main thread     H2D on a copy stream, forward, keep real tokens, fp8 on the GPU,
-                    D2H into pinned buffers on the copy stream (with an event)       -> q_out
-    drain thread    wait for the D2H event, submit one encode task per sample        -> q_write
+    main thread     H2D on a copy stream, forward, keep real tokens, flag non-finite
+                    tokens, fp8 on the GPU, D2H into pinned buffers on the copy
+                    stream (with an event)                                           -> q_out
+    drain thread    wait for the D2H event, apply --on-nonfinite, submit one encode
+                    task per kept sample                                             -> q_write
     encode pool     encode_sample (zstd releases the GIL)
     writer thread   one ShardWriter per work unit, samples in plan order, commit
 
 Every thread that fails sets the shared stop event; queue operations give up when it is set, so an
 error anywhere (ENOSPC in the writer, a bad row in the loader) stops the run promptly and the first
 error is re-raised in the caller. On CPU the same code runs without streams or events.
+
+A target with an inf weight (or a bf16 overflow) yields NaN/inf states that encode and checksum like
+any others; they are caught on the device before encoding (a [K, tokens] flag from one reduction), and
+`--on-nonfinite` fails the run naming the row and layers, or skips the row: the writer records it in
+its shard's index (`meta.skipped`), from which the final manifest lists it as skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -26,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.shards.codecs import Codec, Fp8Block, quantize_fp8
+from dflash.shards.errors import ShardError
 from dflash.shards.manifest import ShardInfo
 from dflash.shards.writer import EncodedSample, ShardWriter, encode_sample
 
@@ -36,6 +45,10 @@ _POLL = 0.1  # seconds between checks of the stop event while blocked on a queue
 
 class Stopped(Exception):
     """Raised inside a stage when another stage failed and the run is stopping."""
+
+
+class NonFiniteStates(ShardError):
+    """The target produced NaN/inf hidden states for a row (with --on-nonfinite fail)."""
 
 
 @dataclass(slots=True)
@@ -107,6 +120,7 @@ class WorkBatch:
     select: torch.Tensor  # int64 [N] flat indexes of the real tokens in [B*T]
     # Filled by the GPU stage:
     features: tuple[torch.Tensor, ...] = ()  # host: ([K, N, H],) or fp8 (q [K*N, H], scale [K*N])
+    nonfinite: torch.Tensor | None = None  # host bool [K, N]: token n of layer k holds a NaN/inf
     ready: Any = None  # CUDA event after the D2H copy, None on CPU
     timing: tuple[Any, Any] | None = None  # CUDA events around the compute
 
@@ -123,6 +137,7 @@ class StageStats:
     encode_cpu_s: float = 0.0  # summed over pool threads
     rows: int = 0
     tokens: int = 0
+    rows_nonfinite: int = 0  # rows skipped by --on-nonfinite skip
     raw_bytes: int = 0
     bytes_written: int = 0
     shards: list[ShardInfo] = field(default_factory=list)
@@ -201,37 +216,42 @@ class GpuStep:
             start.record(self.compute_stream)
         else:
             ids, select = item.input_ids, item.select
-        features = self._compute(ids, select)
+        features, nonfinite = self._compute(ids, select)
         if not self.cuda:
-            item.features = features
+            item.features, item.nonfinite = features, nonfinite
             return item
         end.record(self.compute_stream)
         item.timing = (start, end)
         self.copy_stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(self.copy_stream):
             host = []
-            for t in features:
+            for t in (*features, nonfinite):
                 h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 h.copy_(t, non_blocking=True)
                 t.record_stream(self.copy_stream)  # the allocator must not reuse it before the copy ends
                 host.append(h)
             item.ready = torch.cuda.Event()
             item.ready.record(self.copy_stream)
-        item.features = tuple(host)
+        item.features, item.nonfinite = tuple(host[:-1]), host[-1]
         return item
 
     @torch.inference_mode()
-    def _compute(self, ids: torch.Tensor, select: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _compute(
+        self, ids: torch.Tensor, select: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         outs = self.target.capture(ids.long())
         b, s, h = outs[0].shape
         packed = torch.empty((len(outs), select.numel(), h), dtype=outs[0].dtype, device=outs[0].device)
         for k, o in enumerate(outs):
             torch.index_select(o.reshape(b * s, h), 0, select, out=packed[k])
         del outs
+        # A NaN/inf anywhere in a token's row makes its fp32 sum non-finite: one reduction, no
+        # full-size temporary (only finite values summing past 3e38 could flag a token wrongly).
+        nonfinite = ~torch.isfinite(packed.sum(dim=-1, dtype=torch.float32))
         if self.fp8:
             block = quantize_fp8(packed.view(-1, h))
-            return (block.q, block.scale)
-        return (packed,)
+            return (block.q, block.scale), nonfinite
+        return (packed,), nonfinite
 
 
 def sample_layers(item: WorkBatch, i: int, offset: int, fp8: bool) -> list[torch.Tensor | Fp8Block]:
@@ -252,6 +272,25 @@ def sample_layers(item: WorkBatch, i: int, offset: int, fp8: bool) -> list[torch
     return [packed[k, offset : offset + n] for k in range(packed.shape[0])]
 
 
+def nonfinite_reasons(item: WorkBatch, layers: list[int]) -> dict[int, str]:
+    """{index in the batch: why} for the rows whose hidden states hold NaN/inf (from the device's flags)."""
+    if item.nonfinite is None:
+        return {}
+    flags = item.nonfinite.numpy()
+    if not flags.any():
+        return {}
+    lengths = np.asarray(item.lengths, dtype=np.int64)
+    per_row = np.add.reduceat(flags.astype(np.int64), np.cumsum(lengths) - lengths, axis=1)  # [K, B]
+    reasons = {}
+    for i in np.flatnonzero(per_row.any(axis=0)).tolist():
+        parts = [
+            f"layer {layers[k]}: {per_row[k, i]} of {lengths[i]} tokens"
+            for k in np.flatnonzero(per_row[:, i])
+        ]
+        reasons[i] = f"non-finite hidden states ({', '.join(parts)})"
+    return reasons
+
+
 def drain(
     inp: Channel,
     out: Channel,
@@ -262,8 +301,11 @@ def drain(
     clock: StageClock,
     stats: StageStats,
     encode_clock: Callable[[float], None],
+    layers: list[int] | None = None,
+    on_nonfinite: str = "fail",
 ) -> None:
-    """Drain thread: wait for each batch's D2H copy, then submit one encode task per sample."""
+    """Drain thread: wait for each batch's D2H copy, apply --on-nonfinite, then submit one encode task per
+    kept sample (the skipped ones travel to the writer as records)."""
     first_start = None
     span_before = stats.gpu_span_s  # a rank-0 takeover runs the stages a second time
     if device.type == "cuda":
@@ -284,17 +326,27 @@ def drain(
                 stats.gpu_span_s = span_before + first_start.elapsed_time(end) / 1e3
             ids = item.input_ids.numpy()
             loss = item.loss_mask.numpy()
+            bad = nonfinite_reasons(item, layers or [])
             futures: list[Future] = []
+            skipped: list[dict[str, Any]] = []
             offset = 0
             for i, row in enumerate(item.rows.tolist()):
                 n = int(item.lengths[i])
-                layers = sample_layers(item, i, offset, fp8)
-                futures.append(
-                    pool.submit(_timed_encode, encode_clock, codec, row, ids[i, :n], loss[i, :n], layers)
-                )
+                if i in bad:
+                    if on_nonfinite != "skip":
+                        raise NonFiniteStates(
+                            f"row {row}: the target produced {bad[i]}; check its weights and --dtype, or "
+                            "pass --on-nonfinite skip to leave such rows out (listed as skipped in the manifest)"
+                        )
+                    skipped.append({"row": row, "reason": bad[i]})
+                else:
+                    parts = sample_layers(item, i, offset, fp8)
+                    futures.append(
+                        pool.submit(_timed_encode, encode_clock, codec, row, ids[i, :n], loss[i, :n], parts)
+                    )
                 offset += n
         with clock.timing("wait_out"):
-            out.put((item, futures))
+            out.put((item, futures, skipped))
     out.put(None)
 
 
@@ -315,8 +367,10 @@ def write_shards(
     raw_bytes_per_token: int,
     progress: Any,
 ) -> None:
-    """Writer thread: one ShardWriter per unit, samples in plan order; commit at the unit's last batch."""
+    """Writer thread: one ShardWriter per unit, samples in plan order; commit at the unit's last batch.
+    Rows the drain skipped are listed in their unit's shard index (`meta.skipped`)."""
     writer: ShardWriter | None = None
+    unit_skipped: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     try:
         while True:
@@ -324,10 +378,12 @@ def write_shards(
                 got = inp.get()
             if got is None:
                 break
-            item, futures = got
+            item, futures, skipped = got
             if item.first_in_unit:
                 assert writer is None, "a unit started before the previous one was committed"
-                writer = ShardWriter(shard_path(item.unit), meta)
+                writer = ShardWriter(shard_path(item.unit), dataclasses.replace(meta, extra=dict(meta.extra)))
+                unit_skipped = []
+            unit_skipped.extend(skipped)
             assert writer is not None
             before = writer.bytes_written
             for f in futures:
@@ -338,12 +394,15 @@ def write_shards(
             with clock.timing("busy"):
                 after = writer.bytes_written
                 if item.last_in_unit:
+                    if unit_skipped:
+                        writer.meta.extra["skipped"] = unit_skipped
                     info = writer.commit()
                     writer = None
                     after = info.bytes  # index and footer included
                     stats.shards.append(info)
                 written = after - before
-                stats.rows += len(item.rows)
+                stats.rows += len(item.rows) - len(skipped)
+                stats.rows_nonfinite += len(skipped)
                 stats.tokens += item.tokens
                 stats.raw_bytes += item.tokens * raw_bytes_per_token
                 stats.bytes_written += written
@@ -359,3 +418,15 @@ def write_shards(
     finally:
         if writer is not None:
             writer.abort()
+
+
+def skipped_in_shard(reader: Any) -> list[dict[str, Any]]:
+    """The rows a writer recorded as skipped in a committed shard's index (`meta.skipped`), well-formed only."""
+    records = reader.meta.get("skipped", [])
+    if not isinstance(records, list):
+        return []
+    return [
+        {"row": r["row"], "reason": r["reason"]}
+        for r in records
+        if isinstance(r, dict) and type(r.get("row")) is int and isinstance(r.get("reason"), str)
+    ]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash.shards.errors import ShardError
+from dflash.shards.errors import DiskFull, ShardError
 from dflash.shards.manifest import fsync_dir
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -120,6 +120,20 @@ def read_frozen(target: str | Path, dtype: torch.dtype = torch.bfloat16) -> dict
     }
 
 
+def _save_frozen(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, its I/O errors (raised as SafetensorError) turned into one-line ones."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as exc:
+        text = str(exc)
+        if "os error 28" in text or "os error 122" in text:  # ENOSPC, EDQUOT
+            raise DiskFull(
+                f"{path}: no space left on device while writing the target's frozen parts; committed work "
+                "is intact, free space and re-run the same command to resume"
+            ) from None
+        raise ShardError(f"{path}: could not write the target's frozen parts ({text})") from None
+
+
 def write_target_parts(
     cache_dir: str | Path, target: str | Path, dtype: torch.dtype = torch.bfloat16
 ) -> Path:
@@ -137,7 +151,7 @@ def write_target_parts(
     try:
         (tmp / "config.json").write_bytes(config_bytes)
         tensors = read_frozen(target, dtype)
-        save_file(tensors, str(tmp / FROZEN_NAME), metadata={"source": str(target)})
+        _save_frozen(tensors, tmp / FROZEN_NAME, {"source": str(target)})
         for name in EXTRA_FILES:
             if (target / name).is_file():
                 shutil.copyfile(target / name, tmp / name)

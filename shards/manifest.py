@@ -16,7 +16,7 @@ from typing import Any
 
 from . import __version__
 from .errors import ShardError
-from .safe_io import load_json, read_regular
+from .safe_io import create_new, load_json, read_regular
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 1
@@ -145,7 +145,8 @@ def save_manifest(cache_dir: str | os.PathLike, manifest: Manifest) -> Path:
     tmp = cache / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
     data = (json.dumps(manifest.to_dict(), indent=1, sort_keys=False) + "\n").encode()
     try:
-        with open(tmp, "wb") as f:
+        # O_EXCL | O_NOFOLLOW: a link planted under the temp name is replaced, never written through.
+        with os.fdopen(create_new(tmp, replace_stale=True), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

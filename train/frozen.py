@@ -13,13 +13,14 @@ Public API (stable):
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from dflash.shards.errors import ShardError
 from dflash.shards.manifest import decoder_config
+from dflash.shards.safe_io import check_regular, read_json
 from safetensors import safe_open
 
 FROZEN_FILE = "frozen.safetensors"
@@ -79,8 +80,8 @@ def _tokenizer_size(target_dir: Path) -> int | None:
     path = target_dir / "tokenizer.json"
     if not path.is_file():
         return None
+    data = read_json(path, max_bytes=256 << 20)  # depth-limited; a FIFO is refused, not waited on
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
         ids = [int(i) for i in (data.get("model", {}).get("vocab") or {}).values()]
         ids += [int(t["id"]) for t in data.get("added_tokens", [])]
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -107,12 +108,14 @@ def load_frozen_target(
     target_dir = Path(cache_dir) / "target"
     config_path, frozen_path = target_dir / "config.json", target_dir / FROZEN_FILE
     for path in (config_path, frozen_path):
-        if not path.is_file():
+        if not os.path.lexists(path):  # a FIFO or directory gets its own message below
             raise FileNotFoundError(f"{path} is missing: is {cache_dir} a complete dflash cache?")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ShardError(f"{config_path}: not valid JSON ({exc})") from None
+    config = read_json(config_path, max_bytes=16 << 20)
+    text = decoder_config(config) if isinstance(config, dict) else {}
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if type(text.get(k)) is not int]
+    if missing:
+        raise ShardError(f"{config_path}: not a target config (needs integer {', '.join(missing)})")
+    check_regular(frozen_path)  # safetensors would block on a FIFO
     try:
         with safe_open(str(frozen_path), framework="pt", device="cpu") as f:
             keys = set(f.keys())
@@ -120,6 +123,11 @@ def load_frozen_target(
             if missing:
                 raise ShardError(f"{frozen_path}: missing tensors {sorted(missing)} (has {sorted(keys)})")
             embed, head = f.get_tensor(EMBED_KEY), f.get_tensor(LM_HEAD_KEY)
+        for key, t in ((EMBED_KEY, embed), (LM_HEAD_KEY, head)):
+            if not t.dtype.is_floating_point or t.ndim != 2 or t.dtype.itemsize < 2:
+                raise ShardError(
+                    f"{frozen_path}: {key} is {t.dtype} {tuple(t.shape)}, not a float [vocab, hidden]"
+                )
     except ShardError:
         raise
     except Exception as exc:  # safetensors raises its own error types for malformed files

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from dflash.shards import Cache
 from dflash.shards.manifest import PROVENANCE_FIELDS
+from dflash.shards.outdir import claim_out_dir
 
 from . import checkpoint as ckpt
 from .cache_checks import check_cache, resolve_layer_ids
@@ -28,6 +29,7 @@ from .config import TrainConfig, config_from_flat, estimate_total_steps, lr_at
 from .evaluate import configured_eval_set, evaluate_configured
 from .export import export_drafter
 from .frozen import load_frozen_target
+from .guards import FiniteGuard, check_trainable
 from .loader import StreamingLoader
 from .loss import drafter_loss
 from .mask import build_attention_mask
@@ -61,6 +63,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     info: DistInfo = init_distributed(cfg.device)
     run_dir = Path(cfg.out)
     if info.is_main:
+        claim_out_dir(run_dir, "run")  # the --out rule, before anything is cleaned up or written
         for action in ckpt.clean_interrupted_saves(run_dir):
             log.warning("interrupted checkpoint write: %s", action)
     barrier(info)
@@ -93,6 +96,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         target_layer_ids=layer_ids,
     )
     check_cache(cache, frozen_cpu, drafter_cfg)
+    check_trainable(cache, frozen_cpu)
     frozen = frozen_cpu.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     with device:  # initialised where it trains (seconds, not minutes, for a 1B-parameter drafter on a GPU)
         model = DFlashDrafter(drafter_cfg)  # fp32 master weights; bf16 compute via autocast on CUDA
@@ -176,6 +180,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     # --- the loop ---------------------------------------------------------------------------------------
     batches = loader.iterate()
+    guard = FiniteGuard(cache, layer_ids)  # a NaN/inf loss or gradient stops the run before any write
     loader_state = loader.state_dict()
     window = dict.fromkeys(("loss_sum", "weight_sum", "tokens", "wait"), 0.0)
     last_saved, last_record, last_tau = None, {}, None
@@ -225,6 +230,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             )
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            clipped = grad_norm if cfg.optim.grad_clip > 0 else None
+            guard.record(step + 1, [r for m in micro for r in m.rows], loss_sum, clipped, model.parameters())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -236,6 +243,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             do_eval = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or last_step)
             # --- log (one small all-reduce on log steps)
             logged = step % max(cfg.log_every, 1) == 0 or last_step or do_eval
+            if logged or (cfg.save_every and step % cfg.save_every == 0):
+                guard.check()  # synced with the log; before any checkpoint or export is written
             if logged:
                 window["loss_sum"] = float(window["loss_sum"])  # the device sync of a log step
                 elapsed = time.perf_counter() - window_start

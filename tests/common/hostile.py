@@ -120,8 +120,9 @@ def cli(module: str, *args: str) -> list[str]:
 
 
 def one_error_line(err: str, prog: str) -> str:
-    """The single `prog: error: ...` line of a refused command (asserts there is nothing else)."""
-    lines = [line for line in err.strip().splitlines() if line.strip()]
+    """The single `prog: error: ...` line of a refused command (asserts there is nothing else but
+    progress bars, which a terminal overwrites)."""
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err[-2000:]
     return lines[0]
 

@@ -140,8 +140,9 @@ def _only_dotfiles(root: Path) -> Path:
 def test_foreign_out_is_refused_untouched(tmp_path, capsys, dataset, qwen3, make, message) -> None:
     out = make(tmp_path / "out")
     before = tree_snapshot(out)
-    assert message in _refused(capsys, _argv(qwen3, dataset, out))
+    rc = extract_main(_argv(qwen3, dataset, out))
     assert tree_snapshot(out) == before  # nothing deleted, no .lock left behind
+    assert rc == 2 and message in one_error_line(capsys.readouterr().err, PROG)
 
 
 def test_out_equal_to_dataset_or_a_file(tmp_path, capsys, qwen3, rows) -> None:

@@ -83,7 +83,9 @@ def test_nonfinite_states_stop_extraction_naming_row_and_layer(tmp_path, capsys,
     target = _poisoned_target(qwen3, tmp_path / "inf_target", None)
     line = _refused(capsys, _argv(target, dataset, tmp_path / "cache"))
     assert "the target produced non-finite hidden states (layer 0:" in line and "--on-nonfinite skip" in line
-    assert not (tmp_path / "cache" / "manifest.json").exists() or not load_manifest(tmp_path / "cache").complete
+    assert (
+        not (tmp_path / "cache" / "manifest.json").exists() or not load_manifest(tmp_path / "cache").complete
+    )
 
 
 def test_nonfinite_rows_skipped_and_counted(tmp_path, capsys, rows, dataset, qwen3) -> None:

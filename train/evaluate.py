@@ -90,14 +90,10 @@ def _read_samples(
 ) -> list[Any]:
     def read(ref: SampleRef) -> Any:
         reader: ShardReader = cache.shard(ref.shard)
-        try:
-            sample = reader.read(ref.index, layer_ids)
+        try:  # cut while decoding: the tokens past max_length are never decompressed
+            return reader.read(ref.index, layer_ids, max_tokens=max_length)
         except ShardError:
             return None  # a corrupt held-out sample is left out of evaluation, never fatal here
-        m = max_length
-        sample.input_ids, sample.loss_mask = sample.input_ids[:m], sample.loss_mask[:m]
-        sample.hidden = {k: v[:m] for k, v in sample.hidden.items()}
-        return sample
 
     return [s for s in pool.map(read, refs) if s is not None]
 

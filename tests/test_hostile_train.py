@@ -33,9 +33,9 @@ RSS_BOUND_MB = 1000  # a tiny training run peaks near 500-600 MB here; the bomb 
 BOMB_TOKENS = 1 << 23
 
 
-def _trained_row(num_samples: int, skip: int = 0) -> int:
-    """A row id the tiny preset trains on (not held out by its 0.2 hash holdout)."""
-    rows = np.arange(num_samples, dtype=np.int64)
+def _trained_row(first: int, skip: int = 0) -> int:
+    """A row id >= first the tiny preset trains on (not held out by its 0.2 hash holdout)."""
+    rows = np.arange(first, first + 100, dtype=np.int64)
     return int(rows[~heldout_mask(rows, 0.2)][skip])
 
 
@@ -68,7 +68,7 @@ def run(template: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_nan_sample_stops_training_naming_step_and_row(tmp_path: Path, capsys) -> None:
-    bad = _trained_row(30, skip=3)
+    bad = _trained_row(0, skip=3)
     cache = write_fake_cache(tmp_path / "cache", num_samples=30, samples_per_shard=10, nonfinite_rows=(bad,))
     out = tmp_path / "run"
     argv = tiny_train_argv(cache, out, "--max-steps", "30", "--save-every", "2", "--eval-every", "2", *QUIET)
@@ -91,8 +91,10 @@ def test_long_sample_decodes_only_max_length_tokens(cache: Path) -> None:
     m = load_manifest(cache)
     m.options["max_len"] = BOMB_TOKENS
     save_manifest(cache, m)
-    add_shard(cache, 3, [bomb_sample(cache, row=_trained_row(40, skip=27), tokens=BOMB_TOKENS)])
-    argv = tiny_train_argv(cache, cache.parent / "run", "--max-steps", "4", "--eval-every", "0", *QUIET)
+    add_shard(cache, 3, [bomb_sample(cache, row=_trained_row(30), tokens=BOMB_TOKENS)])
+    argv = tiny_train_argv(
+        cache, cache.parent / "run", "--epochs", "1", "--eval-every", "0", *QUIET
+    )  # every row
     rc, err, rss = run_measured(cli("dflash.train.cli", *argv), timeout=300)
     assert rc == 0, err[-3000:]
     assert rss < RSS_BOUND_MB, f"peak RSS {rss} MB"

@@ -392,6 +392,7 @@ def run_extraction(
         units_committed=len(committed_units(out)),
         rows=stats.rows,
         rows_skipped=len(s.report.skipped_rows) + stats.rows_nonfinite,
+        rows_nonfinite=stats.rows_nonfinite,
         tokens=stats.tokens,
         bytes_written=stats.bytes_written,
         raw_bytes=stats.raw_bytes,

@@ -96,7 +96,7 @@ def test_nonfinite_rows_skipped_and_counted(tmp_path, capsys, rows, dataset, qwe
     result = json.loads(capsys.readouterr().out)
     manifest = load_manifest(out)
     nonfinite = {s["row"] for s in manifest.skipped if s["reason"].startswith("non-finite hidden states")}
-    assert nonfinite == set(poisoned) and result["rows_skipped"] >= len(poisoned)
+    assert nonfinite == set(poisoned) and result["rows_nonfinite"] == len(poisoned)
     with Cache.open(out) as cache:
         stored = {e.row for e in cache.entries()}
         assert not stored & nonfinite

@@ -128,6 +128,7 @@ def test_verify_decodes_every_frame(cache: Path, damage, problem: str) -> None:
         assert not any(c.shard(name).verify() for name in c.shard_names)
     problems = _verify_problems(cache)
     assert any(problem in p for p in problems), problems
+    assert shards_main(["verify", str(cache), "--quick"]) == 0 and shards_main(["verify", str(cache)]) == 1
     if damage is _nonfinite_states:
         assert any("2 non-finite (NaN/inf) values" in p for p in problems), problems
 
@@ -193,6 +194,7 @@ def _exercise(cache: Path) -> None:
         with Cache.open(cache, require_complete=False) as c:
             for e in c.entries():
                 c.shard(e.shard).read(e.index)
+                c.shard(e.shard).read(e.index, [1], max_tokens=5)  # the loader's read: a prefix of one layer
             verify_cache(c, dataset_rows=12)
     except _ALLOWED:
         pass

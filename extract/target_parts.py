@@ -146,6 +146,8 @@ def write_target_parts(
             return final
         log.warning("%s holds another target's parts; replacing them", final)
     tmp = cache_dir / f".{TARGET_DIR}.tmp-{os.getpid()}"
+    if tmp.is_symlink():  # planted: remove the link itself, never what it points to
+        tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:

@@ -239,6 +239,15 @@ def test_state_json_may_not_point_outside(tmp_path, capsys, rows, qwen3, where) 
     assert not (tmp_path / "cache").exists()
 
 
+def test_dataset_dict_split_may_not_point_outside(tmp_path, capsys, rows, qwen3) -> None:
+    write_dataset(tmp_path / "elsewhere", rows)
+    ddict = tmp_path / "ddict"
+    ddict.mkdir()
+    (ddict / "dataset_dict.json").write_text(json.dumps({"splits": ["../elsewhere/dataset"]}))
+    line = _refused(capsys, _argv(qwen3, ddict, tmp_path / "cache"))
+    assert "dataset_dict.json: '../elsewhere/dataset' points outside the dataset directory" in line
+
+
 def test_poisoned_target_helper_really_poisons(tmp_path, qwen3) -> None:
     target = _poisoned_target(qwen3, tmp_path / "t", 7)
     assert torch.isinf(load_file(target / "model.safetensors")["model.embed_tokens.weight"][7, 0])

@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .codecs import DTYPES, Codec, Fp8Block, Fp8Codec, codec_from_dict, zstd_decompress_exact
+from .codecs import Codec, Fp8Block, Fp8Codec, codec_from_dict, zstd_decompress_exact
 from .errors import CorruptFrame, ShardError
 from .layout import FOOTER, MAGIC, Entry, checksum, frame_names, index_checksum, parse_footer, parse_index
 from .manifest import Manifest, ShardInfo, load_manifest
 from .safe_io import open_regular
+from .trust import NO_LIMITS, ReadLimits, check_manifest_for_reading
 
 SHARDS_DIR = "shards"
 
@@ -69,22 +70,6 @@ def _pread_exact(fd: int, size: int, offset: int, where: str) -> bytes | bytearr
     return buf
 
 
-@dataclass(frozen=True, slots=True)
-class ReadLimits:
-    """What a cache declares about its samples, enforced before anything is decoded: the longest sample
-    (manifest `options.max_len`) and the vocabulary every token id must fall in (`target.vocab_size`)."""
-
-    max_length: int | None = None
-    vocab_size: int | None = None
-
-    @classmethod
-    def of(cls, manifest: Manifest) -> ReadLimits:
-        def positive(value: object) -> int | None:
-            return value if type(value) is int and value >= 1 else None
-
-        return cls(positive(manifest.options.get("max_len")), positive(manifest.target.get("vocab_size")))
-
-
 class ShardReader:
     """One committed shard file; open with `ShardReader.open(path)`."""
 
@@ -95,7 +80,7 @@ class ShardReader:
         file_size: int,
         index_offset: int,
         raw_index: bytes,
-        limits: ReadLimits = ReadLimits(),
+        limits: ReadLimits = NO_LIMITS,
     ):
         # Parsed before owning fd: open() closes it on failure.
         idx = parse_index(raw_index, index_offset, str(path), max_length=limits.max_length)
@@ -116,7 +101,7 @@ class ShardReader:
         self._frame_names = frame_names(self.layers)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, limits: ReadLimits = ReadLimits()) -> ShardReader:
+    def open(cls, path: str | os.PathLike, limits: ReadLimits = NO_LIMITS) -> ShardReader:
         """Open and validate a shard; `limits` (from the cache's manifest) bound what its index may claim."""
         path = Path(path)
         fd = open_regular(path, "shard")  # a FIFO or directory is refused here, not hung on or read
@@ -287,30 +272,6 @@ class ShardReader:
     def __del__(self) -> None:
         with contextlib.suppress(OSError, AttributeError):
             self.close()
-
-
-def check_manifest_for_reading(m: Manifest, source: str) -> None:
-    """Refuse, in one line, a manifest a reader cannot trust: unknown codec or dtype, repeated layers, and
-    for a complete cache missing layers or a duplicated or malformed shard entry."""
-    try:
-        codec_from_dict(m.codec)
-    except ValueError as exc:
-        raise ShardError(f"{source}: codec: {exc}") from None
-    if m.dtype not in DTYPES:
-        raise ShardError(f"{source}: dtype {m.dtype!r} is not one of {sorted(DTYPES)}")
-    if len(set(m.layers)) != len(m.layers):
-        raise ShardError(f"{source}: 'layers' lists a layer twice: {m.layers}")
-    if not m.complete:
-        return
-    if not m.layers or m.hidden_size < 1:
-        raise ShardError(f"{source}: a complete cache needs layers and hidden_size >= 1")
-    seen: set[str] = set()
-    for n in (s.name for s in m.shards):
-        if "/" in n or "\\" in n or not n.startswith("shard-") or not n.endswith(".dfs"):
-            raise ShardError(f"{source}: shard name {n!r} is not of the form shard-NNNNNN.dfs")
-        if n in seen:
-            raise ShardError(f"{source}: shard {n} is listed twice")
-        seen.add(n)
 
 
 class Cache:

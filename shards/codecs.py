@@ -30,6 +30,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Where a value's exponent sits in its top byte (mask) and whether its lowest bit is the next byte's top bit.
+_EXPONENT_BITS = {"bfloat16": (0x7F, True), "float16": (0x7C, False), "float32": (0x7F, True)}
 _PROBE_BYTES = 1 << 16  # a plane whose first 64 KiB zstd cannot shrink by 2% is stored raw
 _RAW_PROBE_RATIO = 0.98
 _QUANT_CHUNK = 1 << 24  # elements per step of quantize_fp8 (a 64 MiB float32 temporary)
@@ -90,10 +92,7 @@ def zstd_decompress_exact(
 
     `keep` < size decodes only the first `keep` bytes (zstd stops after the blocks that hold them), so a
     reader that needs a prefix never allocates, or spends time on, the rest."""
-    try:
-        declared = zstandard.frame_content_size(buf)
-    except zstandard.ZstdError as exc:
-        raise CorruptFrame(f"{what}: not a zstd frame ({exc})") from None
+    declared = _declared_size(buf, what)
     if declared != size:
         raise CorruptFrame(f"{what}: zstd frame declares {declared} bytes, expected {size}")
     if keep is not None and keep < size:
@@ -105,6 +104,13 @@ def zstd_decompress_exact(
     if len(out) != size:
         raise CorruptFrame(f"{what}: decoded {len(out)} bytes, expected {size}")
     return out
+
+
+def _declared_size(buf: bytes | memoryview, what: str) -> int:
+    try:
+        return zstandard.frame_content_size(buf)
+    except zstandard.ZstdError as exc:
+        raise CorruptFrame(f"{what}: not a zstd frame ({exc})") from None
 
 
 def _zstd_prefix(buf: bytes | memoryview, keep: int, what: str) -> bytearray:
@@ -378,6 +384,8 @@ class LosslessCodec(Codec):
             if length > n:
                 raise CorruptFrame(f"lossless plane {k} is {length} bytes, more than its {n} elements")
             if only is not None and k not in only:
+                if length < n and _declared_size(chunk, f"lossless plane {k}") != n:  # header only
+                    raise CorruptFrame(f"lossless plane {k}: zstd frame does not declare {n} bytes")
                 continue
             if length == n:
                 raw = chunk[:keep]
@@ -392,9 +400,7 @@ class LosslessCodec(Codec):
         name = dtype_name(dtype)
         e = _ITEMSIZE[name]
         n = shape[0] * shape[1]
-        top_mask, next_bit = {"bfloat16": (0x7F, True), "float16": (0x7C, False), "float32": (0x7F, True)}[
-            name
-        ]
+        top_mask, next_bit = _EXPONENT_BITS[name]
         planes = self._planes(buf, n, e, only=range(e - 2 if next_bit else e - 1, e))
         top = planes[e - 1]
         candidates = np.flatnonzero(np.bitwise_and(top, top_mask) == top_mask)

@@ -1,0 +1,47 @@
+"""What `verify` and `--max-length` rely on in the codecs: `nonfinite` counts exactly the NaN/inf values a
+frame decodes to (without decoding it), and `decode_rows` / a prefix read equal the full decode cut."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from dflash.shards.codecs import count_nonfinite, get_codec, zstd_compress, zstd_decompress_exact
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    codec=st.sampled_from(["lossless", "fp8"]),
+    dtype=st.sampled_from(list(DTYPES)),
+    s=st.integers(1, 40),
+    h=st.integers(1, 48),
+    bad=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([np.nan, np.inf, -np.inf])), max_size=6),
+    rows=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_nonfinite_count_and_prefix_decode(codec, dtype, s, h, bad, rows, seed) -> None:
+    x = torch.randn(s, h, generator=torch.Generator().manual_seed(seed)) * 3
+    for pos, value in bad:
+        x.view(-1)[pos % x.numel()] = value
+    x = x.to(DTYPES[dtype])
+    c = get_codec(codec)
+    stored = c.stored_dtype(dtype)
+    frame = bytes(c.encode(x))
+    full = c.decode(frame, (s, h), stored)
+    assert c.nonfinite(frame, (s, h), stored) == count_nonfinite(full)
+    assert count_nonfinite(full) == int((~torch.isfinite(full.float())).sum())
+    if codec == "lossless" and bad:
+        assert count_nonfinite(full) == int((~torch.isfinite(x.float())).sum())
+    cut = c.decode_rows(frame, (s, h), stored, rows)
+    assert cut.shape == (min(rows, s), h)
+    assert torch.equal(cut.view(torch.uint8), full[:rows].contiguous().view(torch.uint8))
+
+
+def test_prefix_of_a_zstd_frame_never_decodes_the_rest() -> None:
+    data = np.random.default_rng(0).integers(0, 7, 3 << 20, dtype=np.uint8).tobytes()
+    frame = zstd_compress(data)
+    assert bytes(zstd_decompress_exact(frame, len(data), "x", keep=1000)) == data[:1000]
+    assert bytes(zstd_decompress_exact(frame, len(data), "x", keep=len(data))) == data

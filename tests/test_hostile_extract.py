@@ -79,20 +79,39 @@ def _poisoned_target(src: Path, dst: Path, token: int | None) -> Path:
 # --- item 1: a target with an inf weight ------------------------------------------------------------
 
 
-def test_nonfinite_states_stop_extraction_naming_row_and_layer(tmp_path, capsys, dataset, qwen3) -> None:
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# The flags are computed where the forward runs (the GPU in real use), before fp8 quantization.
+ON_DEVICES = [
+    pytest.param("cpu", "lossless"),
+    pytest.param("cpu", "fp8"),
+    pytest.param("cuda", "lossless", marks=[pytest.mark.cuda, CUDA]),
+    pytest.param("cuda", "fp8", marks=[pytest.mark.cuda, CUDA]),
+]
+
+
+def _device_args(device: str, codec: str) -> list[str]:
+    return ["--device", device, "--codec", codec, *(["--no-compile"] if device == "cuda" else [])]
+
+
+@pytest.mark.parametrize(("device", "codec"), ON_DEVICES)
+def test_nonfinite_states_stop_extraction_naming_row_and_layer(
+    tmp_path, capsys, dataset, qwen3, device, codec
+) -> None:
     target = _poisoned_target(qwen3, tmp_path / "inf_target", None)
-    line = _refused(capsys, _argv(target, dataset, tmp_path / "cache"))
+    line = _refused(capsys, _argv(target, dataset, tmp_path / "cache", *_device_args(device, codec)))
     assert "the target produced non-finite hidden states (layer 0:" in line and "--on-nonfinite skip" in line
     assert (
         not (tmp_path / "cache" / "manifest.json").exists() or not load_manifest(tmp_path / "cache").complete
     )
 
 
-def test_nonfinite_rows_skipped_and_counted(tmp_path, capsys, rows, dataset, qwen3) -> None:
+@pytest.mark.parametrize(("device", "codec"), ON_DEVICES)
+def test_nonfinite_rows_skipped_and_counted(tmp_path, capsys, rows, dataset, qwen3, device, codec) -> None:
     token, poisoned = _rare_token(rows)
     target = _poisoned_target(qwen3, tmp_path / "inf_row", token)
     out = tmp_path / "cache"
-    assert extract_main(_argv(target, dataset, out, "--on-nonfinite", "skip")) == 0
+    argv = _argv(target, dataset, out, "--on-nonfinite", "skip", *_device_args(device, codec))
+    assert extract_main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     manifest = load_manifest(out)
     nonfinite = {s["row"] for s in manifest.skipped if s["reason"].startswith("non-finite hidden states")}

@@ -67,11 +67,23 @@ def run(template: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 # --- item 1: a NaN sample with valid checksums ---------------------------------------------------------------
 
 
-def test_nan_sample_stops_training_naming_step_and_row(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_nan_sample_stops_training_naming_step_and_row(tmp_path: Path, capsys, device: str) -> None:
     bad = _trained_row(0, skip=3)
     cache = write_fake_cache(tmp_path / "cache", num_samples=30, samples_per_shard=10, nonfinite_rows=(bad,))
     out = tmp_path / "run"
-    argv = tiny_train_argv(cache, out, "--max-steps", "30", "--save-every", "2", "--eval-every", "2", *QUIET)
+    argv = tiny_train_argv(
+        cache, out, "--max-steps", "30", "--save-every", "2", "--eval-every", "2", "--device", device, *QUIET
+    )
     line = _refused(capsys, argv)
     assert "dflash-train: error: step " in line and f"row {bad} (layer 2: 2 NaN/inf)" in line, line
     saved = [*out.glob("checkpoints/*/model.safetensors"), *out.glob("*/model.safetensors")]

@@ -74,7 +74,9 @@ def test_cache_round_trip(
                     if codec == "lossless":
                         assert y.dtype == x.dtype and torch.equal(_bits(y), _bits(x))
                     else:
-                        assert y.dtype == torch.bfloat16 and relative_error(y, x) <= 0.03
+                        # e4m3 keeps each value within 2^-4 of itself; ~2-3% over many values, but a
+                        # handful of elements can all round the same way (a 2x4 layer measured 3.0%).
+                        assert y.dtype == torch.bfloat16 and relative_error(y, x) <= 2**-4
             report = verify_cache(cache, dataset_rows=len(lengths))
             assert report.ok or (not lengths and "holds no samples" in report.problems[0])
 

@@ -38,32 +38,59 @@ def _model_config(shape: dict, num_layers: int):
     return Qwen3_5TextConfig(**params)
 
 
+def _random_model(arch: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The random-weight model of `arch` truncated after its last captured layer (seed 0: the same on every
+    process that builds it)."""
+    from transformers import AutoModelForCausalLM
+
+    spec = ARCHS[arch]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            _model_config(spec["shape"], max(spec["layers"]) + 1), dtype=dtype
+        )
+    return model.eval().requires_grad_(False)
+
+
+def write_target_stub(arch: str, target_dir: Path, embed: torch.Tensor, lm_head: torch.Tensor) -> Path:
+    """A target directory without decoder weights: config.json with the full layer count, as a real
+    checkpoint has, and the embed/lm_head matrices CACHE/target/ copies."""
+    from safetensors.torch import save_file
+
+    shape = ARCHS[arch]["shape"]
+    target_dir.mkdir(parents=True, exist_ok=True)
+    _model_config(shape, shape["num_hidden_layers"]).save_pretrained(target_dir)
+    tensors = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(target_dir / "model.safetensors")
+    )
+    return target_dir
+
+
 def build_target(
     arch: str, workdir: Path, device: torch.device, dtype: torch.dtype
 ) -> tuple[Path, CapturingTarget]:
     """Random-weight truncated model in memory + a target dir (config.json, embed/lm_head safetensors)."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    spec = ARCHS[arch]
-    keep = max(spec["layers"]) + 1
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(_model_config(spec["shape"], keep), dtype=dtype)
-    model.eval().requires_grad_(False)
-    target_dir = workdir / f"target-{arch}"
-    target_dir.mkdir(parents=True, exist_ok=True)
-    full = _model_config(spec["shape"], spec["shape"]["num_hidden_layers"])
-    full.save_pretrained(target_dir)  # config.json with the full layer count, as a real checkpoint has
-    save_file(
-        {
-            "model.embed_tokens.weight": model.model.embed_tokens.weight.detach().cpu().contiguous(),
-            "lm_head.weight": model.lm_head.weight.detach().cpu().contiguous(),
-        },
-        str(target_dir / "model.safetensors"),
+    model = _random_model(arch, device, dtype)
+    target_dir = write_target_stub(
+        arch, workdir / f"target-{arch}", model.model.embed_tokens.weight, model.lm_head.weight
     )
     model.lm_head = torch.nn.Identity()  # never used for extraction
-    return target_dir, CapturingTarget(model, spec["layers"])
+    return target_dir, CapturingTarget(model, ARCHS[arch]["layers"])
+
+
+def target_from_stub(
+    arch: str, target_dir: Path, device: torch.device, dtype: torch.dtype
+) -> CapturingTarget:
+    """The random-weight truncated model of `arch` with the stub's embedding, so states and the cache's
+    frozen parts belong to one target (each process of a multi-process run builds it the same way)."""
+    from safetensors import safe_open
+
+    model = _random_model(arch, device, dtype)
+    with safe_open(str(target_dir / "model.safetensors"), framework="pt") as f:
+        model.model.embed_tokens.weight.copy_(f.get_tensor("model.embed_tokens.weight"))
+    model.lm_head = torch.nn.Identity()
+    return CapturingTarget(model, ARCHS[arch]["layers"])
 
 
 def write_rows(path: Path, rows: int, vocab: int, seed: int = 0, max_clip: int = MAX_LEN_CLIP) -> Path:

@@ -9,13 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from dflash.shards.layers import default_layer_ids
+from dflash.shards.layers import capture_layer_ids, check_layer_ids
 
 CODECS = ("lossless", "fp8")
 OVERLONG_POLICIES = ("truncate", "skip")
 NONFINITE_POLICIES = ("fail", "skip")
 DTYPES = ("bfloat16", "float32", "auto")
-DEFAULT_NUM_DRAFT_LAYERS = 5
 GiB = 1 << 30
 
 
@@ -38,37 +37,6 @@ class ColumnNames:
 
     def to_dict(self) -> dict[str, str]:
         return {"input_ids": self.input_ids, "loss_mask": self.loss_mask, "seq_len": self.seq_len}
-
-
-def resolve_layers(
-    num_hidden_layers: int, layers: list[int] | str | None = None, num_draft_layers: int | None = None
-) -> list[int]:
-    """The target layers to capture (0-based decoder-layer outputs), sorted and unique.
-
-    `layers` wins ('all' = every decoder layer); otherwise the DFlash default rule for K =
-    `num_draft_layers` (5 when not given): K ids evenly spaced from 1 to L-3,
-    `round(1 + i*(L-4)/(K-1))` with Python's round; one feature -> [L//2]. For targets so shallow that
-    the rule repeats an id, the id is captured once (the trainer's rule indexes the same layer).
-    """
-    L = int(num_hidden_layers)
-    if L < 1:
-        raise ValueError(f"num_hidden_layers must be >= 1, got {num_hidden_layers}")
-    if layers is not None and num_draft_layers is not None:
-        raise ValueError("give either layers or num_draft_layers, not both")
-    if isinstance(layers, str):
-        if layers != "all":
-            raise ValueError(f"layers must be a list of ints or 'all', got {layers!r}")
-        return list(range(L))
-    if layers is not None:
-        ids = [int(i) for i in layers]
-        bad = [i for i in ids if not 0 <= i < L]
-        if bad:
-            raise ValueError(
-                f"layer ids {bad} are outside [0, {L}) for this {L}-layer target; pick ids 0..{L - 1}"
-            )
-        return sorted(set(ids))
-    k = DEFAULT_NUM_DRAFT_LAYERS if num_draft_layers is None else int(num_draft_layers)
-    return sorted(set(default_layer_ids(L, k)))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -114,12 +82,7 @@ class ExtractConfig:
             if self.layers != "all":
                 raise ValueError(f"layers must be a list of layer ids or 'all', got {self.layers!r}")
         elif self.layers is not None:
-            ids = list(self.layers)
-            if not ids or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
-                raise ValueError(f"layers must be a non-empty list of layer ids >= 0, got {self.layers!r}")
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"layers has duplicates: {ids}; list each layer once")
-            self.layers = sorted(ids)
+            self.layers = sorted(set(check_layer_ids(self.layers, what="layers")))  # stored once each
         if self.num_draft_layers is not None and self.num_draft_layers < 1:
             raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
         _check_choice("codec", self.codec, CODECS)
@@ -146,7 +109,8 @@ class ExtractConfig:
             raise ValueError(f"queue_depth must be >= 1, got {self.queue_depth}")
 
     def resolved_layers(self, num_hidden_layers: int) -> list[int]:
-        return resolve_layers(num_hidden_layers, self.layers, self.num_draft_layers)
+        """The layers to capture from a `num_hidden_layers`-deep target (`shards.layers.capture_layer_ids`)."""
+        return capture_layer_ids(num_hidden_layers, self.layers, self.num_draft_layers)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

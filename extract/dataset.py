@@ -375,12 +375,3 @@ def _relative_name(file: Path, root: Path) -> str:
         return str(file.relative_to(root)) if root.is_dir() else file.name
     except ValueError:
         return file.name
-
-
-def __getattr__(name: str) -> object:
-    # `validate` lives in validate.py (which imports this module); re-exported lazily for `dataset.validate`.
-    if name in ("validate", "DatasetReport"):
-        import importlib
-
-        return getattr(importlib.import_module(".validate", __package__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

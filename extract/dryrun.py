@@ -1,106 +1,20 @@
 """`dflash-extract --dry-run`: open, validate and plan, then report sizes against free disk space.
 
 Reads only the target's config.json (no weights, no torch import): seconds for a 900k-row dataset.
-`prepare` is the shared front half of a real extraction (the pipeline calls it too).
+What it reports is what `prepare.prepare` decided, the same front half a real extraction runs.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.shards.manifest import decoder_config
 from dflash.shards.outdir import check_out_dir
-from dflash.shards.safe_io import read_json
 
 from .config import ExtractConfig
-from .dataset import TokenDataset, open_dataset
-from .plan import (
-    BatchPlan,
-    WorkUnit,
-    bytes_per_token,
-    estimate_cache_bytes,
-    plan_batches,
-    plan_stats,
-    plan_units,
-)
-from .validate import DatasetReport, validate
-
-
-@dataclass(frozen=True, slots=True)
-class TargetShape:
-    """The few target facts planning needs, from config.json (text params of VLM wrappers included)."""
-
-    model_type: str
-    num_hidden_layers: int
-    hidden_size: int
-    vocab_size: int
-
-    def to_dict(self) -> dict:
-        return {
-            "model_type": self.model_type,
-            "num_hidden_layers": self.num_hidden_layers,
-            "hidden_size": self.hidden_size,
-            "vocab_size": self.vocab_size,
-        }
-
-
-def read_target_shape(target: Path) -> TargetShape:
-    """Read `target/config.json`; a VLM wrapper (e.g. qwen3_5) keeps its text params under `text_config`."""
-    path = Path(target) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"target: no config.json in {target}; pass the HF model directory as --target"
-        )
-    config = read_json(path, max_bytes=16 << 20, what="target:")  # depth-limited; FIFOs refused
-    if not isinstance(config, dict):
-        raise ValueError(f"target: {path} holds a JSON {type(config).__name__}, not a config object")
-    text = decoder_config(config)
-    missing = [
-        k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(text.get(k), int)
-    ]
-    if missing:
-        raise ValueError(f"target: {path} lacks integer {', '.join(missing)}")
-    return TargetShape(
-        model_type=str(config.get("model_type", "unknown")),
-        num_hidden_layers=text["num_hidden_layers"],
-        hidden_size=text["hidden_size"],
-        vocab_size=text["vocab_size"],
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedRun:
-    """Everything decided before the first forward: layers, kept rows, batches, work units."""
-
-    target: TargetShape
-    layers: list[int]
-    dataset: TokenDataset
-    report: DatasetReport
-    batches: BatchPlan
-    units: list[WorkUnit]
-    seconds: dict[str, float]
-
-
-def prepare(config: ExtractConfig, target: TargetShape) -> PreparedRun:
-    """Resolve layers, open + validate the dataset, plan batches and work units (deterministic)."""
-    layers = config.resolved_layers(target.num_hidden_layers)
-    t0 = time.perf_counter()
-    ds = open_dataset(config.dataset, config.columns)
-    t1 = time.perf_counter()
-    report = validate(ds, vocab_size=target.vocab_size, max_len=config.max_len, overlong=config.overlong)
-    t2 = time.perf_counter()
-    batches = plan_batches(
-        report.rows, report.lengths, token_budget=config.token_budget, pad_multiple=config.pad_multiple
-    )
-    per_token = bytes_per_token(config.codec, len(layers), target.hidden_size)
-    units = plan_units(batches, bytes_per_token=per_token, unit_bytes=config.unit_bytes)
-    t3 = time.perf_counter()
-    seconds = {"open": t1 - t0, "validate": t2 - t1, "plan": t3 - t2}
-    return PreparedRun(target, layers, ds, report, batches, units, seconds)
+from .plan import estimate_cache_bytes, plan_stats
+from .prepare import PreparedRun, prepare
 
 
 def free_space(out: Path | None) -> tuple[int, Path]:
@@ -130,7 +44,7 @@ def dry_run_summary(config: ExtractConfig, run: PreparedRun) -> dict:
         "token_budget": config.token_budget,
         "pad_multiple": config.pad_multiple,
         "layers": run.layers,
-        "target": {"path": str(config.target), **run.target.to_dict()},
+        "target": {"path": str(config.target), **run.target.shape()},
         "dataset": {
             "path": str(config.dataset),
             "form": run.dataset.form,
@@ -194,8 +108,7 @@ def run_dry_run(config: ExtractConfig) -> dict:
     """Prepare, print the table (or one JSON object with `config.json`), return the summary."""
     if config.out is not None:
         check_out_dir(config.out, "cache")  # the run would refuse this --out: say so now
-    target = read_target_shape(config.target)
-    summary = dry_run_summary(config, prepare(config, target))
+    summary = dry_run_summary(config, prepare(config))
     print(json.dumps(summary) if config.json else format_summary(summary), flush=True)
     return summary
 

@@ -10,7 +10,6 @@ the cache ready; other ranks wait for that. Each rank then extracts its uncommit
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,24 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from dflash.shards.codecs import get_codec
-from dflash.shards.manifest import Manifest, ShardInfo, save_manifest, target_info
+from dflash.shards.manifest import Manifest, ShardInfo, save_manifest
 from dflash.shards.outdir import claim_out_dir
-from dflash.shards.writer import ShardMeta, shard_name
+from dflash.shards.paths import MANIFEST_NAME, shard_name, shard_path
+from dflash.shards.writer import ShardMeta
 
 from .config import ExtractConfig
-from .dataset import open_dataset
-from .dryrun import read_target_shape
-from .identity import weights_fingerprint
-from .plan import Batch, WorkUnit, bytes_per_token, plan_batches, plan_units
+from .plan import BatchPlan, WorkUnit
+from .prepare import PreparedRun, cache_manifest, prepare
 from .result import ExtractResult, format_summary
 from .stages import Channel, GpuStep, StageStats, Stopped, drain, load_batches, skipped_in_shard, write_shards
-from .target import CapturingTarget, load_target, read_target_info
+from .target import CapturingTarget, load_target
 from .target_parts import write_target_parts
 from .units import (
-    SHARDS_DIR,
     RankInfo,
     RunLocks,
     assign_units,
@@ -51,7 +47,6 @@ from .units import (
     wait_for_claim,
     wait_for_other_ranks,
 )
-from .validate import validate
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -71,17 +66,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
 
 
-def plan_digest(batches: list[Batch], units: list[WorkUnit]) -> str:
-    """sha256 of the plan: every batch's rows and lengths and the unit boundaries."""
-    h = hashlib.sha256()
-    for b in batches:
-        h.update(np.ascontiguousarray(b.rows, dtype="<i8").tobytes())
-        h.update(np.ascontiguousarray(b.lengths, dtype="<i8").tobytes())
-        h.update(b"|")
-    h.update(json.dumps([[u.batch_start, u.batch_stop] for u in units]).encode())
-    return h.hexdigest()
-
-
 @dataclass(slots=True)
 class _Setup:
     """Everything derived from the config before any weights are loaded."""
@@ -90,84 +74,32 @@ class _Setup:
     rank: RankInfo
     device: torch.device
     dtype: torch.dtype
-    layers: list[int]
-    hidden_size: int
+    run: PreparedRun
     codec: Any
-    ds: Any
-    report: Any
-    batches: list[Batch]
-    units: list[WorkUnit]
     manifest: Manifest
     meta: ShardMeta
+
+    @property
+    def layers(self) -> list[int]:
+        return self.run.layers
+
+    @property
+    def units(self) -> list[WorkUnit]:
+        return self.run.units
+
+    @property
+    def batches(self) -> BatchPlan:
+        return self.run.batches
 
 
 def _prepare(config: ExtractConfig, rank: RankInfo) -> _Setup:
     device = resolve_device(config.device, rank.local_rank)
     dtype = resolve_dtype(config.dtype, device)
-    read_target_shape(config.target)  # one-line errors for a malformed config.json before transformers
-    info = read_target_info(config.target, trust_remote_code=config.trust_remote_code)
-    layers = config.resolved_layers(info.num_layers)
+    run = prepare(config)
+    manifest = cache_manifest(config, run, compute_dtype=str(dtype).removeprefix("torch."))
     codec = get_codec(config.codec)
-    ds = open_dataset(config.dataset, config.columns)
-    report = validate(ds, vocab_size=info.vocab_size, max_len=config.max_len, overlong=config.overlong)
-    if not len(report.rows) and not config.allow_empty:
-        raise ValueError(
-            f"{config.dataset}: no row to extract ({ds.num_rows} rows, {len(report.skipped_rows)} skipped: "
-            f"{report.counts}); pass --allow-empty to write an empty cache anyway"
-        )
-    batches = plan_batches(
-        report.rows, report.lengths, token_budget=config.token_budget, pad_multiple=config.pad_multiple
-    )
-    units = plan_units(
-        batches,
-        bytes_per_token=bytes_per_token(config.codec, len(layers), info.hidden_size),
-        unit_bytes=config.unit_bytes,
-    )
-    compute = str(dtype).removeprefix("torch.")
-    stored = codec.stored_dtype(compute)
-    manifest = Manifest(
-        target={
-            **target_info(info.config_dict, str(config.target), dtype=compute),
-            "weights_sha256": weights_fingerprint(config.target),
-        },
-        layers=layers,
-        dtype=stored,
-        hidden_size=info.hidden_size,
-        codec=codec.to_dict(),
-        dataset=ds.fingerprint(),
-        options={
-            "max_len": config.max_len,
-            "overlong": config.overlong,
-            "token_budget": config.token_budget,
-            "pad_multiple": config.pad_multiple,
-            "unit_bytes": config.unit_bytes,
-            "compute_dtype": compute,
-            **({"allow_empty": True} if config.allow_empty else {}),
-        },
-        plan={
-            "units": len(units),
-            "batches": len(batches),
-            "rows": len(report.rows),
-            "tokens": report.tokens,
-            "sha256": plan_digest(batches, units),
-        },
-    )
-    meta = ShardMeta(codec=codec, layers=layers, hidden_size=info.hidden_size, dtype=stored)
-    return _Setup(
-        config,
-        rank,
-        device,
-        dtype,
-        layers,
-        info.hidden_size,
-        codec,
-        ds,
-        report,
-        batches,
-        units,
-        manifest,
-        meta,
-    )
+    meta = ShardMeta(codec=codec, layers=run.layers, hidden_size=run.target.hidden_size, dtype=manifest.dtype)
+    return _Setup(config, rank, device, dtype, run, codec, manifest, meta)
 
 
 def _check_disk(s: _Setup, committed: set[int]) -> None:
@@ -214,14 +146,14 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
             stop.set()
 
     element = torch.finfo(s.dtype).bits // 8
-    raw_per_token = len(s.layers) * s.hidden_size * element
-    shard_path = lambda u: cfg.out / SHARDS_DIR / shard_name(u)  # noqa: E731
+    raw_per_token = len(s.layers) * s.run.target.hidden_size * element
+    unit_path = lambda u: shard_path(cfg.out, shard_name(u))  # noqa: E731
     pool = ThreadPoolExecutor(max_workers=threads_n, thread_name_prefix="dflash-encode")
     threads = [
         threading.Thread(
             target=guarded,
             name="dflash-loader",
-            args=(load_batches, s.ds, work, q_in, stats.clock("gather"), s.device),
+            args=(load_batches, s.run.dataset, work, q_in, stats.clock("gather"), s.device),
         ),
         threading.Thread(
             target=guarded,
@@ -235,7 +167,7 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
             args=(
                 write_shards,
                 q_write,
-                shard_path,
+                unit_path,
                 s.meta,
                 stats.clock("write"),
                 stats,
@@ -288,7 +220,7 @@ def _finalize(s: _Setup) -> Manifest:
     infos: list[ShardInfo] = []
     nonfinite: list[dict[str, Any]] = []
     for u in range(len(s.units)):
-        with ShardReader.open(s.config.out / SHARDS_DIR / shard_name(u)) as r:
+        with ShardReader.open(shard_path(s.config.out, shard_name(u))) as r:
             infos.append(r.info())
             nonfinite.extend(skipped_in_shard(r))
     if not sum(i.rows for i in infos) and not s.config.allow_empty:
@@ -298,10 +230,32 @@ def _finalize(s: _Setup) -> Manifest:
         )
     m = Manifest.from_dict(s.manifest.to_dict())
     m.shards = infos
-    m.skipped = sorted(s.report.skipped_records() + nonfinite, key=lambda r: r["row"])
+    m.skipped = sorted(s.run.report.skipped_records() + nonfinite, key=lambda r: r["row"])
     m.complete = True
     save_manifest(s.config.out, m)
     return m
+
+
+def _open_cache(s: _Setup, out: Path, locks: RunLocks) -> bool:
+    """Rank 0 checks (or writes) the manifest, cleans up after killed writers, checks free space and writes
+    and checks CACHE/target/ (seconds: before any weights load), then tells the other ranks; they check
+    the manifest once it is ready. Returns whether the cache is already complete."""
+    if s.rank.rank != 0:
+        locks.wait_for_rank0()
+        return check_or_write_manifest(out, s.manifest, write=False).complete
+    current = (
+        check_or_write_manifest(out, s.manifest, write=False)
+        if os.path.lexists(out / MANIFEST_NAME)
+        else None
+    )
+    if current is None or not current.complete:
+        remove_stale_temp_files(out)
+        committed = drop_unreadable_shards(out, committed_units(out))
+        _check_disk(s, committed)
+        check_or_write_manifest(out, s.manifest, write=True)
+        write_target_parts(out, s.config.target)
+    locks.mark_ready()
+    return current is not None and current.complete
 
 
 def run_extraction(
@@ -334,23 +288,7 @@ def run_extraction(
     stats = StageStats()
     done: list[int] = []
     try:
-        if rank.rank == 0:
-            current = (
-                check_or_write_manifest(out, s.manifest, write=False)
-                if (out / "manifest.json").is_file()
-                else None
-            )
-            if current is None or not current.complete:
-                remove_stale_temp_files(out)
-                committed = drop_unreadable_shards(out, committed_units(out))
-                _check_disk(s, committed)
-                check_or_write_manifest(out, s.manifest, write=True)
-                write_target_parts(out, config.target)
-            locks.mark_ready()
-        else:
-            locks.wait_for_rank0()
-            current = check_or_write_manifest(out, s.manifest, write=False)
-        complete = current is not None and current.complete
+        complete = _open_cache(s, out, locks)
         while not complete:
             mine = assign_units(len(s.units), committed_units(out), rank.rank, rank.world_size)
             if mine:
@@ -391,7 +329,7 @@ def run_extraction(
         units_done=len(done),
         units_committed=len(committed_units(out)),
         rows=stats.rows,
-        rows_skipped=len(s.report.skipped_rows) + stats.rows_nonfinite,
+        rows_skipped=len(s.run.report.skipped_rows) + stats.rows_nonfinite,
         rows_nonfinite=stats.rows_nonfinite,
         tokens=stats.tokens,
         bytes_written=stats.bytes_written,

@@ -22,30 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.shards.layers import check_layer_ids
+from dflash.shards.target_config import read_target_config
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TargetInfo:
-    """What the pipeline and the manifest need to know about a target without loading its weights."""
-
-    path: Path
-    model_type: str  # the top-level model_type (e.g. "qwen3_5" for the VLM wrapper)
-    text_model_type: str
-    num_layers: int  # decoder layers of the full model
-    hidden_size: int
-    vocab_size: int
-    layer_types: tuple[str, ...] | None
-    config_dict: dict[str, Any]  # config.json as stored
 
 
 def _text_config(config: Any) -> Any:
@@ -54,42 +40,11 @@ def _text_config(config: Any) -> Any:
     return getter() if getter is not None else config
 
 
-def read_target_info(path: str | Path, *, trust_remote_code: bool = False) -> TargetInfo:
-    """Read a local HF model directory's config (no weights) and describe its decoder."""
-    from transformers import AutoConfig
-
-    path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(
-            f"target {path}: no config.json (expected a local Hugging Face model directory)"
-        )
-    config_dict = json.loads(config_file.read_text())
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    text = _text_config(config)
-    layer_types = getattr(text, "layer_types", None)
-    return TargetInfo(
-        path=path,
-        model_type=str(config_dict.get("model_type", getattr(config, "model_type", "unknown"))),
-        text_model_type=str(getattr(text, "model_type", "unknown")),
-        num_layers=int(text.num_hidden_layers),
-        hidden_size=int(text.hidden_size),
-        vocab_size=int(text.vocab_size),
-        layer_types=tuple(layer_types) if layer_types is not None else None,
-        config_dict=config_dict,
-    )
-
-
-def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Validate captured layer ids against the target: distinct, sorted, within [0, num_layers)."""
-    ids = [int(i) for i in layer_ids]
-    if not ids:
-        raise ValueError("no layers to capture: pass --layers or --num-draft-layers")
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"layer ids {bad} are outside the target's 0..{num_layers - 1}; fix --layers")
+def check_capture_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """Captured layer ids (`shards.layers` rules) that are also distinct and increasing: hooks fire in order."""
+    ids = list(check_layer_ids(layer_ids, num_layers, what="captured layer ids"))
     if sorted(set(ids)) != ids:
-        raise ValueError(f"layer ids {ids} must be distinct and increasing, e.g. {sorted(set(ids))}")
+        raise ValueError(f"captured layer ids {ids} must be distinct and increasing, e.g. {sorted(set(ids))}")
     return ids
 
 
@@ -211,8 +166,8 @@ def load_target(
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    info = read_target_info(path, trust_remote_code=trust_remote_code)
-    layer_ids = check_layer_ids(layer_ids, info.num_layers)
+    info = read_target_config(path)
+    layer_ids = check_capture_ids(layer_ids, info.num_hidden_layers)
     keep = max(layer_ids) + 1
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -248,7 +203,7 @@ def load_target(
         path,
         info.model_type,
         keep - 1,
-        info.num_layers,
+        info.num_hidden_layers,
         dtype,
         device,
     )

@@ -21,8 +21,6 @@ import fcntl
 import json
 import logging
 import os
-import re
-import shutil
 import socket
 import time
 from collections.abc import Iterable
@@ -30,18 +28,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash.shards.atomic import discard
 from dflash.shards.errors import ManifestMismatch, ShardError
-from dflash.shards.manifest import MANIFEST_NAME, Manifest, diff_manifests, load_manifest, save_manifest
+from dflash.shards.manifest import Manifest, diff_manifests, load_manifest, save_manifest
 from dflash.shards.outdir import check_out_dir, raise_if_not_ours
+from dflash.shards.paths import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    SHARDS_DIR,
+    committed_shard_names,
+    shard_name,
+    shard_path,
+    unit_of_shard,
+)
 from dflash.shards.safe_io import load_json, open_nofollow, read_regular
 
 from .identity import comparable_provenance
 
 log = logging.getLogger(__name__)
-
-SHARDS_DIR = "shards"
-LOCK_NAME = ".lock"
-_SHARD_RE = re.compile(r"^shard-(\d{6,})\.dfs$")
 
 
 class CacheLocked(ShardError):
@@ -77,17 +81,9 @@ class RankInfo:
         return cls(rank=rank, world_size=world, local_rank=local, run_id=run)
 
 
-def unit_of_shard(name: str) -> int | None:
-    m = _SHARD_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
 def committed_units(cache_dir: str | Path) -> set[int]:
     """Unit indexes whose shard is committed (renamed to its final name)."""
-    d = Path(cache_dir) / SHARDS_DIR
-    if not d.is_dir():
-        return set()
-    return {u for p in d.iterdir() if (u := unit_of_shard(p.name)) is not None}
+    return {unit_of_shard(name) for name in committed_shard_names(cache_dir)}
 
 
 def assign_units(num_units: int, committed: Iterable[int], rank: int, world_size: int) -> list[int]:
@@ -98,6 +94,7 @@ def assign_units(num_units: int, committed: Iterable[int], rank: int, world_size
 
 def remove_stale_temp_files(cache_dir: str | Path) -> int:
     """Delete temp files of killed writers (only while no writer of this cache runs)."""
+    from dflash.shards.target_parts import stale_target_dirs
     from dflash.shards.writer import stale_temp_files
 
     raise_if_not_ours(cache_dir, "cache")
@@ -105,8 +102,8 @@ def remove_stale_temp_files(cache_dir: str | Path) -> int:
     for p in stale_temp_files(Path(cache_dir) / SHARDS_DIR):
         p.unlink(missing_ok=True)
         n += 1
-    for p in Path(cache_dir).glob(".target.tmp-*"):
-        shutil.rmtree(p, ignore_errors=True)
+    for p in stale_target_dirs(cache_dir):
+        discard(p)  # a planted link is removed, never followed
     return n
 
 
@@ -275,12 +272,11 @@ def check_or_write_manifest(cache_dir: Path, expected: Manifest, *, write: bool)
 def drop_unreadable_shards(cache_dir: Path, committed: set[int]) -> set[int]:
     """Remove committed shards whose footer does not parse (a disk error after commit): they are redone."""
     from dflash.shards.reader import ShardReader
-    from dflash.shards.writer import shard_name
 
     raise_if_not_ours(cache_dir, "cache")
     good = set()
     for u in sorted(committed):
-        path = Path(cache_dir) / SHARDS_DIR / shard_name(u)
+        path = shard_path(cache_dir, shard_name(u))
         try:
             ShardReader.open(path).close()
             good.add(u)

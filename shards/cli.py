@@ -21,12 +21,14 @@ def run_main(
     except (ShardError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
+    except OSError as exc:  # the environment failed (disk, filesystem): name the file, no traceback
         if exc.errno == errno.ENOSPC:
             print(
                 f"{prog}: error: no space left on device ({exc.filename or 'output'}); "
                 "committed work is intact, free space and re-run the same command to resume",
                 file=sys.stderr,
             )
-            return 2
-        raise
+        else:
+            where = f"{exc.filename}: " if exc.filename else ""
+            print(f"{prog}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2

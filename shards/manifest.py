@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .atomic import atomic_write_bytes
 from .errors import ShardError
-from .safe_io import create_new, load_json, read_regular
+from .paths import MANIFEST_NAME
+from .safe_io import load_json, read_regular
+from .target_config import decoder_config
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest lists shards and skipped rows; anything bigger is not ours
 
 # Fields whose difference makes a cache unusable for a resume or a training run (see diff_manifests).
@@ -138,24 +140,11 @@ class Manifest:
 
 
 def save_manifest(cache_dir: str | os.PathLike, manifest: Manifest) -> Path:
-    """Write CACHE/manifest.json atomically (temp file, fsync, rename, fsync the directory)."""
+    """Write CACHE/manifest.json atomically (`atomic.atomic_write`)."""
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    final = cache / MANIFEST_NAME
-    tmp = cache / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
     data = (json.dumps(manifest.to_dict(), indent=1, sort_keys=False) + "\n").encode()
-    try:
-        # O_EXCL | O_NOFOLLOW: a link planted under the temp name is replaced, never written through.
-        with os.fdopen(create_new(tmp, replace_stale=True), "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(cache)
-    return final
+    return atomic_write_bytes(cache / MANIFEST_NAME, data)
 
 
 def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
@@ -168,14 +157,6 @@ def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
     return Manifest.from_dict(d, source=str(path))
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
@@ -183,16 +164,6 @@ def canonical_json(obj: Any) -> bytes:
 def target_fingerprint(config_dict: Mapping[str, Any]) -> str:
     """sha256 hex of the target's config.json in canonical JSON (sorted keys, no spaces, ASCII)."""
     return hashlib.sha256(canonical_json(dict(config_dict))).hexdigest()
-
-
-def decoder_config(config_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """The decoder's settings from a target's config.json: VLM wrappers (qwen3_5) keep them under
-    `text_config`, whose values win over the wrapper's; other configs are returned as they are.
-
-    (The one setting read from the wrapper instead is `tie_word_embeddings`: it ties the wrapper's own
-    embedding and lm_head, see `extract.target_parts`.)"""
-    inner = config_dict.get("text_config")
-    return {**config_dict, **inner} if isinstance(inner, Mapping) else dict(config_dict)
 
 
 def target_info(config_dict: Mapping[str, Any], name_or_path: str, dtype: str = "bfloat16") -> dict[str, Any]:

@@ -21,10 +21,9 @@ from .codecs import Codec, Fp8Block, Fp8Codec, codec_from_dict, zstd_decompress_
 from .errors import CorruptFrame, ShardError
 from .layout import FOOTER, MAGIC, Entry, checksum, frame_names, index_checksum, parse_footer, parse_index
 from .manifest import Manifest, ShardInfo, load_manifest
+from .paths import SHARDS_DIR
 from .safe_io import open_regular
-from .trust import NO_LIMITS, ReadLimits, check_manifest_for_reading
-
-SHARDS_DIR = "shards"
+from .trust import NO_LIMITS, ReadLimits, check_manifest_for_reading, check_shard_identity
 
 
 @dataclass(slots=True)
@@ -158,10 +157,9 @@ class ShardReader:
             if k == 0:
                 raw = zstd_decompress_exact(buf, 4 * s, "input_ids", keep=4 * m)
                 ids = np.frombuffer(raw, dtype="<i4")
-                vocab = self.limits.vocab_size
-                if vocab is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-                    bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-                    raise CorruptFrame(f"token id {bad} is outside the target's vocabulary (0..{vocab - 1})")
+                problem = self.limits.ids_problem(ids)
+                if problem:
+                    raise CorruptFrame(problem)
                 return torch.from_numpy(ids.astype(np.int64))
             if k == 1:
                 raw = np.frombuffer(zstd_decompress_exact(buf, s, "loss_mask", keep=m), dtype=np.uint8)
@@ -291,6 +289,7 @@ class Cache:
         self.manifest = manifest
         self.shard_names = shard_names
         self._known = set(shard_names)
+        self._listed = {s.name: s for s in manifest.shards}
         self._from_manifest = from_manifest
         self._max_open = max_open_shards
         self.limits = ReadLimits.of(manifest)
@@ -346,6 +345,12 @@ class Cache:
             if name not in self._known:
                 raise KeyError(f"{self.path}: no shard named {name!r}")
         reader = ShardReader.open(self.path / SHARDS_DIR / name, self.limits)  # outside the lock: disk I/O
+        if self._from_manifest:
+            try:
+                check_shard_identity(reader.path, self._listed[name], reader.info())
+            except ShardError:
+                reader.close()
+                raise
         with self._lock:
             reader = self._readers.setdefault(name, reader)
             self._readers.move_to_end(name)

@@ -4,10 +4,13 @@ the refusals of a manifest nothing should be read through (each one line naming 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 from .codecs import DTYPES, codec_from_dict
 from .errors import ShardError
-from .manifest import Manifest
+from .manifest import Manifest, ShardInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +27,14 @@ class ReadLimits:
             return value if type(value) is int and value >= 1 else None
 
         return cls(positive(manifest.options.get("max_len")), positive(manifest.target.get("vocab_size")))
+
+    def ids_problem(self, ids: np.ndarray) -> str | None:
+        """Why token ids `ids` cannot be trusted (some fall outside the vocabulary), or None."""
+        vocab = self.vocab_size
+        if vocab is None or not ids.size or (int(ids.min()) >= 0 and int(ids.max()) < vocab):
+            return None
+        bad = int(np.count_nonzero((ids < 0) | (ids >= vocab)))
+        return f"{bad} token ids outside the target's vocabulary 0..{vocab - 1}"
 
 
 NO_LIMITS = ReadLimits()  # a shard opened alone: only the format's own bounds apply
@@ -51,3 +62,18 @@ def check_manifest_for_reading(m: Manifest, source: str) -> None:
         if n in seen:
             raise ShardError(f"{source}: shard {n} is listed twice")
         seen.add(n)
+
+
+def check_shard_identity(path: Path, listed: ShardInfo, got: ShardInfo) -> None:
+    """A shard must be the one the manifest committed: a shard copied in from another extraction has
+    sound checksums of its own, and only its identity (index checksum, rows, bytes) tells it apart."""
+    wrong = [
+        f"{key} {getattr(got, key)!r} != manifest {getattr(listed, key)!r}"
+        for key in ("index_checksum", "rows", "bytes")
+        if getattr(got, key) != getattr(listed, key)
+    ]
+    if wrong:
+        raise ShardError(
+            f"{path}: not the shard this cache's manifest lists ({'; '.join(wrong)}): replaced or "
+            "rewritten after extraction; restore it or re-extract"
+        )

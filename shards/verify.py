@@ -18,7 +18,9 @@ from .codecs import zstd_decompress_exact
 from .errors import CorruptFrame, ShardError
 from .layout import checksum
 from .manifest import ShardInfo
-from .reader import SHARDS_DIR, Cache, ShardReader
+from .paths import SHARDS_DIR
+from .reader import Cache, ShardReader
+from .trust import ReadLimits
 
 _SHOW = 20  # rows listed per problem line; the count is always exact
 
@@ -82,7 +84,7 @@ def _check_against_manifest(cache: Cache, reader: Any, report: VerifyReport) -> 
         report.add(name, f"{reader.path}: hidden_size {reader.hidden_size} != manifest {m.hidden_size}")
 
 
-def _check_sample(reader: ShardReader, i: int, vocab: int | None) -> tuple[list[str], int]:
+def _check_sample(reader: ShardReader, i: int, limits: ReadLimits) -> tuple[list[str], int]:
     """Problems of sample i found by decoding each frame, and the bytes its frames decode to."""
     entry = reader.entries[i]
     s, h = entry.length, reader.hidden_size
@@ -99,11 +101,9 @@ def _check_sample(reader: ShardReader, i: int, vocab: int | None) -> tuple[list[
             if k == 0:
                 ids = np.frombuffer(zstd_decompress_exact(buf, 4 * s, "input_ids"), dtype="<i4")
                 decoded += ids.nbytes
-                if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-                    n_bad = int(np.count_nonzero((ids < 0) | (ids >= vocab)))
-                    problems.append(
-                        f"{where}: {n_bad} token ids outside the target's vocabulary 0..{vocab - 1}"
-                    )
+                problem = limits.ids_problem(ids)
+                if problem:
+                    problems.append(f"{where}: {problem}")
             elif k == 1:
                 mask = np.frombuffer(zstd_decompress_exact(buf, s, "loss_mask"), dtype=np.uint8)
                 decoded += mask.nbytes
@@ -124,14 +124,14 @@ def _check_sample(reader: ShardReader, i: int, vocab: int | None) -> tuple[list[
     return problems, decoded
 
 
-def _check_shard(reader: ShardReader, report: VerifyReport, vocab: int | None) -> None:
+def _check_shard(reader: ShardReader, report: VerifyReport, limits: ReadLimits) -> None:
     if report.quick:
         for problem in reader.verify():
             report.add(reader.name, problem)
         return
     for i in range(len(reader.entries)):
         try:
-            problems, decoded = _check_sample(reader, i, vocab)
+            problems, decoded = _check_sample(reader, i, limits)
         except ShardError as exc:  # the file shrank under us
             problems, decoded = [str(exc)], 0
         report.decoded_bytes += decoded
@@ -173,7 +173,7 @@ def verify_cache(cache: Cache, dataset_rows: int | None = None, *, quick: bool =
         report.samples_checked += len(reader.entries)
         report.frames_checked += sum(len(e.frames) for e in reader.entries)
         report.bytes_checked += reader.file_size
-        _check_shard(reader, report, cache.limits.vocab_size)
+        _check_shard(reader, report, cache.limits)
         _check_against_manifest(cache, reader, report)
         if name in listed:
             want, got = listed[name].to_dict(), reader.info().to_dict()

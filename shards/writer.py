@@ -20,21 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from .atomic import fsync_dir
 from .codecs import Codec, Fp8Block, codec_from_dict, dtype_name, zstd_compress
 from .errors import DiskFull, ShardError
 from .layout import FOOTER, FOOTER_MAGIC, MAGIC, SHARD_FORMAT, SHARD_VERSION, checksum, index_checksum
-from .manifest import ShardInfo, fsync_dir
+from .manifest import ShardInfo
+from .paths import SHARD_SUFFIX
 
 log = logging.getLogger(__name__)
-SHARD_SUFFIX = ".dfs"
 _INT32 = np.iinfo(np.int32)
-
-
-def shard_name(unit: int) -> str:
-    """File name of work unit `unit`'s shard: shard-000123.dfs."""
-    if unit < 0:
-        raise ValueError(f"shard unit id must be >= 0, got {unit}")
-    return f"shard-{unit:06d}{SHARD_SUFFIX}"
 
 
 @dataclass(kw_only=True, slots=True)

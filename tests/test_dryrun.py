@@ -8,8 +8,9 @@ import sys
 
 import pytest
 from dflash.extract.cli import config_from_args, main
-from dflash.extract.config import ColumnNames, ExtractConfig, resolve_layers
-from dflash.extract.dryrun import read_target_shape
+from dflash.extract.config import ColumnNames, ExtractConfig
+from dflash.shards.layers import capture_layer_ids as resolve_layers
+from dflash.shards.target_config import read_target_config
 
 from tests.common.datasets import make_rows, write_save_to_disk, write_target_config
 
@@ -69,7 +70,7 @@ def test_resolve_layers_defaults_and_explicit():
         ({"max_len": 0}, "max_len must be >= 1, got 0"),
         ({"overlong": "drop"}, "overlong must be one of truncate, skip"),
         ({"token_budget": 0}, "token_budget must be >= 1"),
-        ({"layers": [1, 1]}, "layers has duplicates"),
+        ({"layers": [1, -1]}, "layers must be layer ids >= 0"),
         ({"layers": [1], "num_draft_layers": 3}, "give either layers"),
         ({"layers": "some"}, "layers must be a list of layer ids or 'all'"),
         ({"dtype": "int8"}, "dtype must be one of"),
@@ -153,7 +154,8 @@ def test_bad_target_config_is_one_line(setup, capsys):
     _, ds, _, tmp_path = setup
     assert main(["--target", str(tmp_path / "none"), "--dataset", str(ds), "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("dflash-extract: error: target: no config.json") and err.count("\n") == 1
+    assert err.startswith(f"dflash-extract: error: {tmp_path / 'none' / 'config.json'}: no config.json")
+    assert err.count("\n") == 1
 
 
 def test_bad_data_error_is_one_line(setup, capsys):
@@ -180,9 +182,9 @@ def test_layers_flag_and_exclusive_group(setup, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def test_read_target_shape_plain_and_wrapped(tmp_path):
-    plain = read_target_shape(write_target_config(tmp_path / "a", num_hidden_layers=36))
-    wrapped = read_target_shape(write_target_config(tmp_path / "b", num_hidden_layers=64, wrapped=True))
+def test_read_target_config_plain_and_wrapped(tmp_path):
+    plain = read_target_config(write_target_config(tmp_path / "a", num_hidden_layers=36))
+    wrapped = read_target_config(write_target_config(tmp_path / "b", num_hidden_layers=64, wrapped=True))
     assert (plain.model_type, plain.num_hidden_layers) == ("qwen3", 36)
     assert (wrapped.model_type, wrapped.num_hidden_layers) == ("qwen3_5", 64)
 

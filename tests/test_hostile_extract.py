@@ -17,9 +17,8 @@ from common.datasets import write_arrow
 from common.extract import tiny_rows, write_dataset
 from common.hostile import one_error_line, tree_snapshot
 from common.targets import make_target
-from dflash.extract import target_parts
 from dflash.extract.cli import main as extract_main
-from dflash.shards import Cache, load_manifest, verify_cache
+from dflash.shards import Cache, load_manifest, target_parts, verify_cache
 from dflash.shards.outdir import claim_out_dir
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file

@@ -164,6 +164,13 @@ def _small_vocab(cache: Path) -> tuple[str, ...]:
     return ("--mask-token-id", "55")  # a free row of the shrunken table; the cached ids (up to 89) are not
 
 
+def _manifest_vocab_past_frozen(cache: Path) -> tuple[str, ...]:
+    resign_manifest(
+        cache, lambda d: d["target"].update(vocab_size=200)
+    )  # ids up to 199 would pass the reader
+    return ()
+
+
 def _int_weights(cache: Path) -> tuple[str, ...]:
     frozen = load_file(_frozen_path(cache))
     save_file({k: v.to(torch.int32) for k, v in frozen.items()}, _frozen_path(cache))
@@ -181,9 +188,13 @@ def _config_without_layers(cache: Path) -> tuple[str, ...]:
     ("damage", "message"),
     [
         (_drop_target, "target.config_sha256 is missing or malformed"),
-        (_small_vocab, "60 embedding rows, fewer than the target's vocab_size 96"),
-        (_int_weights, "embed_tokens.weight is torch.int32 (96, 32), not a float [vocab, hidden]"),
-        (_config_without_layers, "not a target config (needs integer num_hidden_layers)"),
+        (
+            _small_vocab,
+            "embed_tokens.weight is [60, 32], config.json says [vocab_size, hidden_size] = [96, 32]",
+        ),
+        (_manifest_vocab_past_frozen, "96 embedding rows, fewer than the target's vocab_size 200"),
+        (_int_weights, "embed_tokens.weight is I32, not a float of 16 bits or more"),
+        (_config_without_layers, "config.json lacks integer num_hidden_layers"),
     ],
 )
 def test_untrustworthy_cache_refused_before_step_one(cache: Path, capsys, damage, message: str) -> None:

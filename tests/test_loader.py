@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -11,8 +12,8 @@ import pytest
 import torch
 from dflash.shards import Cache, ShardReader
 from dflash.shards.errors import ShardError
-from dflash.train import loader as loader_mod
 from dflash.train.data_plan import heldout_mask
+from dflash.train.data_spec import DataSpec
 from dflash.train.loader import StreamingLoader
 
 from tests.common.fake_cache import corrupt_sample, write_fake_cache
@@ -43,7 +44,9 @@ def _loader(cache_dir: Path, **overrides) -> StreamingLoader:
         epochs=2,
     )
     kwargs.update(overrides)
-    return StreamingLoader(Cache.open(kwargs.pop("cache", cache_dir)), **kwargs)
+    cache = Cache.open(kwargs.pop("cache", cache_dir))
+    place = {k: kwargs.pop(k) for k in ("rank", "world_size", "device") if k in kwargs}
+    return StreamingLoader(cache, DataSpec(**kwargs), **place)
 
 
 def _train_rows(n: int) -> set[int]:
@@ -97,9 +100,7 @@ def test_two_ranks_split_each_epoch(cache_dir: Path) -> None:
 
 
 def test_missing_layer_is_refused_in_one_line(cache_dir: Path) -> None:
-    with pytest.raises(
-        ValueError, match=r"target layer 7 is not in the cache .*cached layers \[0, 1, 2, 3\]"
-    ) as exc:
+    with pytest.raises(ValueError, match=r"layers \[7\] missing, the cache holds \[0, 1, 2, 3\]") as exc:
         _loader(cache_dir, layer_ids=[1, 7])
     assert "\n" not in str(exc.value)
 
@@ -144,7 +145,7 @@ def test_first_batch_comes_fast_on_a_big_cache(tmp_path: Path, monkeypatch) -> N
         opened.append(Path(path).name)
         return real_open(cls, path, *args)
 
-    monkeypatch.setattr(loader_mod.ShardReader, "open", classmethod(counting_open))
+    monkeypatch.setattr(ShardReader, "open", classmethod(counting_open))
     start = time.perf_counter()
     loader = _loader(cache, shuffle_window=64, token_budget=64)
     first = _collect(loader, limit=1)
@@ -195,3 +196,13 @@ def test_wait_records_every_tensor_on_the_consumer_stream(cache_dir: Path, monke
     batch = loaded.wait()
     assert events == ["copy-done"] and loaded.ready is None
     assert len(recorded) == len(batch.tensors()) == 8 and all(s is stream for _, s in recorded)
+
+
+def test_closing_the_stream_joins_every_thread_before_the_cache_closes(cache_dir: Path) -> None:
+    loader = _loader(cache_dir)
+    stream = loader.iterate()
+    next(stream)  # the planner and the pools are busy prefetching
+    stream.close()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("dflash-")]
+    loader.cache.close()
+    assert alive == []

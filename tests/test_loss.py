@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dflash.train.blocks import SequenceInput, make_packed_batch
+from dflash.train.config import default_gamma
 from dflash.train.frozen import FrozenTarget
 from dflash.train.loss import LossStats, drafter_loss, linear_cross_entropy
 from dflash.train.mask import build_attention_mask
@@ -85,10 +86,10 @@ def test_drafter_loss_trains_slot_k_toward_the_token_at_anchor_plus_k() -> None:
         pad_blocks_to_multiple=4,
     )
     loss, stats = drafter_loss(model, frozen, batch, chunk_rows=6)
-    # Independent reference: logits of every block slot vs the token at anchor + k, weights exp(-(k-1)/7 * 16/5...)
+    # Independent reference: logits of every block slot vs the token at anchor + k, weights exp(-(k-1)/gamma)
     logits = frozen.logits(model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, "dense")))
     num, den = 0.0, 0.0
-    gamma = 7.0 * 5 / 16
+    gamma = default_gamma(5)  # the one rule (train/config.py): (B - 2) / 2 outside the paper's sizes
     for n in range(batch.num_blocks):
         s, a = int(batch.block_seq[n]), int(batch.anchor_pos[n])
         if s < 0:

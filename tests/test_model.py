@@ -64,11 +64,21 @@ def test_config_from_nested_transformers5_target() -> None:
     assert cfg.rope_theta == 5e6 and cfg.rope_scaling is None and cfg.target_layer_ids == (3, 6)
 
 
+def test_config_from_moe_target_without_dense_mlp() -> None:
+    # Qwen3.5-35B-A3B's text_config has only moe/shared-expert widths: the drafter MLP is 3 x hidden.
+    text = {k: v for k, v in TARGET.items() if k != "intermediate_size"}
+    text.update(moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    cfg = DrafterConfig.from_target_config(
+        {"model_type": "qwen3_5_moe", "text_config": text}, mask_token_id=95
+    )
+    assert cfg.intermediate_size == 3 * 32
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"target_layer_ids": [1, 8]}, "outside the target"),
-        ({"target_layer_ids": [2, 2]}, "duplicates"),
+        ({"target_layer_ids": [1, 8]}, r"outside \[0, 8\)"),
+        ({"target_layer_ids": []}, "is empty"),
         ({"mask_token_id": 96}, "outside the vocabulary"),
         ({"block_size": 1}, "block_size"),
         ({"num_key_value_heads": 3}, "multiple"),
@@ -79,6 +89,14 @@ def test_config_rejects_bad_values(override: dict, message: str) -> None:
     kwargs = {"mask_token_id": 95, **override}
     with pytest.raises(ValueError, match=message):
         DrafterConfig.from_target_config(TARGET, **kwargs)
+
+
+def test_config_accepts_repeated_layer_ids() -> None:
+    # The shallow-target rule (shards.layers): a drafter may read one target layer more than once.
+    cfg = DrafterConfig.from_target_config(
+        TARGET, mask_token_id=95, num_hidden_layers=2, target_layer_ids=[2, 2]
+    )
+    assert cfg.target_layer_ids == (2, 2) and cfg.num_features == 2
 
 
 def _setup(seed: int = 0, block_size: int = 4):

@@ -159,7 +159,8 @@ def test_verify_catches_duplicates_and_manifest_disagreements(tmp_path: Path) ->
 
 
 def test_decoder_config_reads_a_vlm_wrappers_text_config() -> None:
-    from dflash.shards.manifest import decoder_config, target_info
+    from dflash.shards.manifest import target_info
+    from dflash.shards.target_config import decoder_config
 
     plain = {"model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096}
     assert decoder_config(plain) == plain

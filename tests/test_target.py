@@ -6,10 +6,12 @@ import json
 
 import pytest
 import torch
-from dflash.extract.target import check_layer_ids, load_target, read_target_info
-from dflash.extract.target_parts import FROZEN_NAME, read_frozen, write_target_parts
+from dflash.extract.target import check_capture_ids, load_target
+from dflash.extract.target_parts import read_frozen, write_target_parts
 from dflash.shards.errors import ShardError
 from dflash.shards.layers import default_layer_ids
+from dflash.shards.target_config import read_target_config
+from dflash.shards.target_parts import FROZEN_NAME, read_target_parts
 from safetensors import safe_open
 
 from tests.common.targets import KINDS, load_reference, make_target, reference_layer_outputs
@@ -114,8 +116,8 @@ def test_vlm_wrapped_qwen3_5_loads_text_only_with_checkpoint_weights(targets: di
     from safetensors.torch import load_file
 
     path = targets["qwen3_5"]
-    info = read_target_info(path)
-    assert (info.model_type, info.text_model_type, info.num_layers, info.hidden_size) == (
+    info = read_target_config(path)
+    assert (info.model_type, info.decoder["model_type"], info.num_hidden_layers, info.hidden_size) == (
         "qwen3_5",
         "qwen3_5_text",
         4,
@@ -150,9 +152,9 @@ def test_bad_layer_ids_and_paths(targets: dict, tmp_path) -> None:
     with pytest.raises(ValueError, match="outside"):
         load_target(targets["qwen3"], [4])
     with pytest.raises(ValueError, match="increasing"):
-        check_layer_ids([2, 1], 4)
+        check_capture_ids([2, 1], 4)
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
-        read_target_info(tmp_path)
+        read_target_config(tmp_path)
 
 
 def test_default_layer_ids_match_dflash_rule() -> None:
@@ -177,13 +179,14 @@ def test_frozen_parts_from_checkpoint(tmp_path, kind: str, tie: bool) -> None:
     assert (parts / "config.json").read_bytes() == (path / "config.json").read_bytes()
     assert json.loads((parts / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
     assert (parts / "tokenizer.json").is_file()
-    with safe_open(parts / FROZEN_NAME, framework="pt") as f:
-        assert sorted(f.keys()) == ["embed_tokens.weight", "lm_head.weight"]
-        embed, head = f.get_tensor("embed_tokens.weight"), f.get_tensor("lm_head.weight")
-    assert embed.dtype == torch.bfloat16
-    assert torch.equal(embed, stored_embed.to(torch.bfloat16))
-    assert torch.equal(head, stored_head.to(torch.bfloat16))
-    assert torch.equal(embed, head) == tie
+    with safe_open(parts / FROZEN_NAME, framework="pt") as f:  # a tied target stores its one matrix once
+        assert sorted(f.keys()) == (
+            ["embed_tokens.weight"] if tie else ["embed_tokens.weight", "lm_head.weight"]
+        )
+    read = read_target_parts(tmp_path / "cache")
+    assert read.embed.dtype == torch.bfloat16 and read.tied == tie
+    assert torch.equal(read.embed, stored_embed.to(torch.bfloat16))
+    assert torch.equal(read.lm_head, stored_head.to(torch.bfloat16))
     # Idempotent: a second call keeps the same directory.
     assert write_target_parts(tmp_path / "cache", path) == parts
     assert not list((tmp_path / "cache").glob(".target.tmp-*"))
@@ -197,8 +200,8 @@ def test_frozen_parts_from_sharded_checkpoint(tmp_path) -> None:
     sharded = tmp_path / "sharded"
     model.save_pretrained(sharded, max_shard_size="100KB")
     assert (sharded / "model.safetensors.index.json").is_file()
-    frozen = read_frozen(sharded)
-    assert torch.equal(frozen["lm_head.weight"], model.lm_head.weight.to(torch.bfloat16))
+    _, head = read_frozen(sharded)
+    assert torch.equal(head, model.lm_head.weight.to(torch.bfloat16))
 
 
 def test_frozen_parts_missing_lm_head_untied_is_an_error(tmp_path) -> None:

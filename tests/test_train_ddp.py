@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import textwrap
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from dflash.shards import ShardReader
 from dflash.train import checkpoint as ckpt
+from dflash.train.config import tiny_debug
 from dflash.train.data_plan import heldout_mask
 from dflash.train.metrics import read_metrics
+from dflash.train.trainer import train
 
-from tests.common.fake_cache import write_fake_cache
+from tests.common.fake_cache import corrupt_sample, write_fake_cache
 from tests.common.train_cli import tiny_train_argv, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,3 +84,50 @@ def test_two_gloo_ranks_split_each_epoch(tmp_path: Path) -> None:
     assert steps == sorted(set(steps)) and steps[-1] == len(per_rank[0])
     assert any("tau" in r for r in records)
     assert ckpt.latest_checkpoint(run).name == f"step_{steps[-1]:06d}"
+
+
+def _train_procs(nproc: int, cache: Path, run: Path, *options: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    argv = tiny_train_argv(cache, run, "--device", "cpu", "--no-tensorboard", "--no-plots", *options)
+    done = subprocess.run(
+        [*torchrun(nproc), "-m", "dflash.train.cli", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_skip_counts_survive_a_resume_on_another_world_size(tmp_path: Path) -> None:
+    # Corrupt training samples are skipped once per epoch whichever rank reads them; after a resume on 1 or
+    # 3 processes the run's total must be what an uninterrupted run counts (each rank once restored rank
+    # 0's own count, so the sum was off by the world size).
+    cache = write_fake_cache(tmp_path / "cache", num_samples=50, samples_per_shard=10)
+    rows = np.arange(50)
+    training = set(rows[~heldout_mask(rows, 0.2)].tolist())
+    corrupt = []
+    for shard, index in (("shard-000000.dfs", 1), ("shard-000002.dfs", 4), ("shard-000004.dfs", 7)):
+        with ShardReader.open(cache / "shards" / shard) as reader:
+            index = next(i for i in range(index, 10) if reader.entries[i].row in training)
+        corrupt.append(corrupt_sample(cache, shard, index, frame=4))  # frame 4: layer 2, the one trained on
+    options = ("--on-corrupt", "skip", "--eval-every", "0", "--epochs", "2")
+
+    reference = tmp_path / "reference"
+    train(
+        tiny_debug(
+            str(cache), str(reference), on_corrupt="skip", eval_every=0, tensorboard=False, plots=False
+        )
+    )
+    expected = read_metrics(reference)[-1]["skipped_samples"]
+    assert expected == 2 * len(corrupt)
+
+    interrupted = tmp_path / "run"
+    _train_procs(2, cache, interrupted, *options, "--max-steps", "2", "--save-every", "2")
+    assert 0 < read_metrics(interrupted)[-1]["skipped_samples"] < expected
+    on_three = tmp_path / "run3"
+    shutil.copytree(interrupted, on_three)
+    train(tiny_debug(str(cache), str(interrupted), on_corrupt="skip", eval_every=0, resume=True, plots=False))
+    assert read_metrics(interrupted)[-1]["skipped_samples"] == expected
+    _train_procs(3, cache, on_three, *options, "--resume")
+    assert read_metrics(on_three)[-1]["skipped_samples"] == expected

@@ -11,12 +11,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from dflash.shards.errors import ManifestMismatch
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import lr_at, tiny_debug
 from dflash.train.export import load_drafter
+from dflash.train.loss import drafter_loss
+from dflash.train.mask import build_attention_mask
 from dflash.train.metrics import read_metrics
-from dflash.train.trainer import train
+from dflash.train.trainer import Trainer, train
 
 from tests.common.fake_cache import write_fake_cache
 
@@ -75,6 +78,34 @@ def test_resume_against_another_cache_is_refused(cache_dir: Path, tmp_path: Path
     other = write_fake_cache(tmp_path / "other", num_samples=40, samples_per_shard=10, codec="fp8")
     with pytest.raises(ManifestMismatch, match="codec"):
         train(tiny_debug(str(other), str(run), max_steps=4, resume=True, eval_every=0))
+
+
+def test_train_step_alone(cache_dir: Path, tmp_path: Path) -> None:
+    trainer = Trainer.build(tiny_debug(str(cache_dir), str(tmp_path / "run"), grad_accum=2))
+    try:
+        batches = trainer.loader.iterate()
+        micro = [next(batches)[0], next(batches)[0]]
+        batches.close()
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        with torch.no_grad():
+            expected = [
+                drafter_loss(
+                    trainer.model, trainer.frozen, m.batch, attn_mask=build_attention_mask(m.batch, "dense")
+                )[1]
+                for m in micro
+            ]
+        result = trainer.train_step(micro)
+    finally:
+        trainer.close()
+    total = trainer.total_steps
+    assert trainer.step == 1
+    assert result.lr == lr_at(
+        0, base_lr=1e-3, warmup_steps=round(0.04 * total), total_steps=total, min_lr_frac=0
+    )
+    assert result.weight_sum == pytest.approx(sum(float(m.batch.weights.sum()) for m in micro))
+    assert float(result.loss_sum) == pytest.approx(sum(float(e.loss_sum) for e in expected), rel=1e-5)
+    assert result.tokens == sum(m.tokens for m in micro) and torch.isfinite(result.grad_norm)
+    assert all(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
 
 
 def test_default_layer_ids_must_be_cached(tmp_path: Path) -> None:

@@ -84,17 +84,18 @@ def evaluate_drafter(drafter: DFlashDrafter | str | Path, cfg: TrainConfig) -> d
     """The trainer's evaluation (held-out rows, seeded anchors, decode walk) of a drafter or an exported dir."""
     import torch
     from dflash.shards import Cache
-    from dflash.train.evaluate import configured_eval_set, evaluate_configured
+    from dflash.train.data_spec import DataSpec, read_eval_rows
+    from dflash.train.evaluate import build_eval_set, evaluate
     from dflash.train.export import load_drafter
     from dflash.train.frozen import load_frozen_target
 
     if isinstance(drafter, (str, Path)):
         drafter = load_drafter(drafter, dtype=torch.float32)
     frozen = load_frozen_target(cfg.cache, mask_token_id=drafter.config.mask_token_id, dtype=torch.float32)
+    spec = DataSpec.for_run(cfg, drafter.config, read_eval_rows(cfg.data.eval_rows))
     with Cache.open(cfg.cache) as cache:
-        eval_set = configured_eval_set(cache, cfg)
-        result = evaluate_configured(
-            drafter, frozen, cache, eval_set, cfg, drafter.config, device=torch.device("cpu")
+        result = evaluate(
+            drafter, frozen, cache, build_eval_set(cache, spec), spec, device=torch.device("cpu")
         )
     if "tau" not in result:
         raise ValueError(

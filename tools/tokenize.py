@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.shards.atomic import commit_dir, temp_path
 from dflash.shards.cli import run_main
 
 from .chat import FORMATS, SKIP_REASONS, has_generation_markers
@@ -123,20 +124,6 @@ def _summarize(mapped, cfg: TokenizeConfig, source, mask_source: str, seconds: f
     }
 
 
-def _fsync_tree(path: Path, files: bool = True) -> None:
-    """Make a finished directory durable before it is renamed into place (a crash never shows half of it)."""
-    if files:
-        for child in path.iterdir():
-            if child.is_file():
-                with child.open("rb") as f:
-                    os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def tokenize_chats(cfg: TokenizeConfig) -> dict:
     """Run `dflash-tokenize`; returns the summary (also written to `OUT/tokenize_summary.json`)."""
     from transformers import AutoTokenizer
@@ -166,8 +153,7 @@ def tokenize_chats(cfg: TokenizeConfig) -> dict:
     # Scratch and the new dataset live beside OUT (same filesystem) so the final step is a rename.
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = out.parent / f".{out.name}.scratch-{os.getpid()}"
-    staged_out = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    retired = out.parent / f".{out.name}.old-{os.getpid()}"
+    staged_out = temp_path(out)
     try:
         source = open_chat_source(cfg.data, cfg.format, scratch)
         if len(source.dataset) == 0:
@@ -208,14 +194,10 @@ def tokenize_chats(cfg: TokenizeConfig) -> dict:
         kept.save_to_disk(str(staged_out))
         summary["seconds"] = round(time.perf_counter() - start, 2)
         (staged_out / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n")
-        _fsync_tree(staged_out)
         # Swap in the new dataset; an old one (--overwrite) is removed only once the new one is in place.
-        if out.exists():
-            out.rename(retired)
-        staged_out.rename(out)
-        _fsync_tree(out.parent, files=False)
+        commit_dir(staged_out, out)
     finally:
-        for path in (scratch, staged_out, retired):
+        for path in (scratch, staged_out):
             shutil.rmtree(path, ignore_errors=True)
     return summary
 

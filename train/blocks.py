@@ -4,7 +4,7 @@ Public API (stable):
     PackedBatch                      the model's input (fields as in ARCHITECTURE.md), `.to(device)`, `.pin_memory()`,
                                      `.dequantized()` (fp8-packed features -> bf16 wherever the batch is)
     SequenceInput(input_ids, loss_mask, features)   one sequence; `features` [S, K*H]
-    default_gamma(block_size) -> float              7 / 5 / 4 for B = 16 / 10 / 8
+    default_gamma(block_size) -> float              7 / 5 / 4 for B = 16 / 10 / 8 (the rule lives in config.py)
     slot_weights(block_size, gamma) -> Tensor[B]    0 at slot 0, exp(-(k-1)/gamma) after
     eligible_anchors(loss_mask) -> LongTensor       positions a with loss_mask[a] and loss_mask[a+1]
     sample_anchors(loss_mask, num_anchors, generator) -> LongTensor (sorted, distinct)
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from dflash.shards import Fp8Block, dequantize_fp8
 
-_GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+from .config import default_gamma
 
 
 @dataclass(slots=True)
@@ -93,11 +93,6 @@ class SequenceInput:
     input_ids: torch.Tensor  # [S] long
     loss_mask: torch.Tensor  # [S] bool
     features: torch.Tensor  # [S, K*H]
-
-
-def default_gamma(block_size: int) -> float:
-    """Loss-decay gamma: the paper's 7 / 5 / 4 for B = 16 / 10 / 8; other sizes scale 7 * B / 16."""
-    return _GAMMA_BY_BLOCK.get(block_size, 7.0 * block_size / 16)
 
 
 def slot_weights(block_size: int, gamma: float) -> torch.Tensor:

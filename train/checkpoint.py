@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
@@ -29,8 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.shards import Manifest, diff_manifests
+from dflash.shards.atomic import commit_dir, fresh_temp_dir, restore_parked_dir
 from dflash.shards.errors import ManifestMismatch
 from dflash.shards.manifest import PROVENANCE_FIELDS, canonical_json
+from dflash.shards.safe_io import read_json as safe_read_json
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -146,39 +147,12 @@ def rng_from_flat(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> 
     )
 
 
-# --- atomic directory writes ---------------------------------------------------------------------
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# --- writing -----------------------------------------------------------------------------------------
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _commit_dir(tmp: Path, final: Path) -> None:
-    """fsync every file in `tmp`, then swap it in for `final` (replacing an older copy) and fsync the parent."""
-    for child in tmp.iterdir():
-        _fsync_path(child)
-    _fsync_path(tmp)
-    old = final.with_name(f".{final.name}.old")
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_path(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    """A file inside a checkpoint's temp directory (`commit_dir` fsyncs it with the rest)."""
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def save_checkpoint(
@@ -198,16 +172,13 @@ def save_checkpoint(
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = fresh_temp_dir(final)  # a link planted under the temp name is removed, never followed
     try:
         weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
         _write_json(tmp / "meta.json", {**meta, "step": step, "weights_only": weights_only})
         if weights_only:
-            _commit_dir(tmp, final)
+            commit_dir(tmp, final)
             return final
         opt_tensors, opt_structure = optimizer_to_flat(optimizer, param_names)
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
@@ -216,7 +187,7 @@ def save_checkpoint(
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
         _write_json(tmp / "rng.json", rng_scalars)
         _write_json(tmp / "loader.json", loader_state)
-        _commit_dir(tmp, final)
+        commit_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -229,8 +200,7 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def read_json(path: str | Path) -> Any:
-    with open(path) as f:
-        return json.load(f)
+    return safe_read_json(path, max_bytes=256 << 20)  # depth-limited; special files refused
 
 
 def check_complete(ckpt: Path) -> None:
@@ -295,14 +265,29 @@ RESUMABLE_KEYS = frozenset(
 
 
 def manifest_digest(manifest: Manifest) -> str:
+    """sha256 of what a run trains on: the cache's provenance and every shard's index checksum."""
     d = manifest.to_dict()
-    keep = {k: d[k] for k in PROVENANCE_FIELDS} | {
-        "shards": [(s["name"], s["index_checksum"]) for s in d["shards"]]
-    }
+    keep = {k: d[k] for k in PROVENANCE_FIELDS} | {"shards": sorted(shard_checksums(manifest).items())}
     return hashlib.sha256(canonical_json(keep)).hexdigest()
 
 
+def shard_checksums(manifest: Manifest) -> dict[str, str]:
+    return {s.name: s.index_checksum for s in manifest.shards}
+
+
+def cache_identity(manifest: Manifest) -> dict[str, Any]:
+    """The meta.json entries a resume compares with the cache it is given (`check_resume`)."""
+    d = manifest.to_dict()
+    return {
+        "manifest_sha256": manifest_digest(manifest),
+        "cache_provenance": {k: d[k] for k in PROVENANCE_FIELDS},
+        "cache_shards": shard_checksums(manifest),
+    }
+
+
 def check_resume(saved: dict[str, Any], cfg_flat: dict[str, Any], manifest: Manifest) -> None:
+    """Refuse a resume that would change the trajectory: other settings, or another cache (provenance,
+    or any shard added, removed or rewritten since the checkpoint), naming what differs."""
     now = cfg_flat
     changed = [
         f"{k}: {saved['config'].get(k)!r} (checkpoint) != {now[k]!r}"
@@ -317,6 +302,20 @@ def check_resume(saved: dict[str, Any], cfg_flat: dict[str, Any], manifest: Mani
     diffs = diff_manifests(saved["cache_provenance"], manifest.to_dict())
     if diffs:
         raise ManifestMismatch("--resume against a different cache", diffs)
+    if saved.get("manifest_sha256") != manifest_digest(manifest):
+        before, after = saved.get("cache_shards") or {}, shard_checksums(manifest)
+        shards = [
+            f"{name}: {before.get(name, 'absent')} (checkpoint) != {after.get(name, 'absent')}"
+            for name in sorted(set(before) | set(after))
+            if before.get(name) != after.get(name)
+        ]
+        raise ManifestMismatch(
+            "--resume against a cache whose shards changed since the checkpoint",
+            shards
+            or [
+                f"manifest_sha256: {saved.get('manifest_sha256')} (checkpoint) != {manifest_digest(manifest)}"
+            ],
+        )
 
 
 # --- finding and pruning -------------------------------------------------------------------------
@@ -349,12 +348,9 @@ def clean_interrupted_saves(run_dir: str | Path) -> list[str]:
                 shutil.rmtree(child, ignore_errors=True)
                 actions.append(f"removed {child}")
             elif child.name.endswith(".old") and child.is_dir():
-                final = child.with_name(child.name[1 : -len(".old")])
-                if final.exists():
-                    shutil.rmtree(child, ignore_errors=True)
-                else:
-                    os.rename(child, final)
-                    actions.append(f"restored {final}")
+                restored = restore_parked_dir(child)
+                if restored is not None:
+                    actions.append(f"restored {restored}")
     return actions
 
 
@@ -391,14 +387,3 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
         shutil.rmtree(path)
         removed.append(path)
     return removed
-
-
-def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
-    """Copy a committed checkpoint directory to `dst` atomically (used for `RUN/best`)."""
-    src, dst = Path(src), Path(dst)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.copytree(src, tmp)
-    _commit_dir(tmp, dst)
-    return dst

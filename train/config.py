@@ -8,12 +8,15 @@ section without a lookup table. Presets are plain functions returning a config.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dflash.shards.errors import ShardError
+from dflash.shards.layers import check_layer_ids
+from dflash.shards.safe_io import load_json
 
 ON_CORRUPT_CHOICES = ("skip", "fail")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -21,7 +24,8 @@ ATTENTION_CHOICES = ("auto", "dense", "flex")  # see mask.choose_backend
 
 
 def default_gamma(block_size: int) -> float:
-    """Loss decay for block position k (w_k = exp(-(k-1)/gamma)); the paper's values, interpolated elsewhere."""
+    """Loss decay for block position k (w_k = exp(-(k-1)/gamma)): the paper's 7 / 5 / 4 for B = 16 / 10 / 8,
+    (B - 2) / 2 (at least 1) elsewhere. The one rule: the loader, evaluation and `blocks` all use it."""
     paper = {16: 7.0, 10: 5.0, 8: 4.0}
     return paper.get(block_size, max(1.0, (block_size - 2) / 2.0))
 
@@ -78,13 +82,8 @@ class DraftSpec:
             raise ValueError(
                 f"block_size={self.block_size}: a block needs the anchor and at least one draft slot"
             )
-        if self.target_layer_ids is not None:
-            ids = tuple(int(i) for i in self.target_layer_ids)
-            if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
-                raise ValueError(
-                    f"target_layer_ids={list(ids)}: give distinct non-negative layer ids, e.g. 1,9,17,25,33"
-                )
-            self.target_layer_ids = ids
+        if self.target_layer_ids is not None:  # the target's depth is checked once the cache is open
+            self.target_layer_ids = check_layer_ids(self.target_layer_ids)
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"gamma={self.gamma}: must be > 0")
 
@@ -245,9 +244,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"{path}: not valid TOML: {exc}") from None
     else:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON: {exc}") from None
+            data = load_json(text, str(path))  # depth-limited
+        except ShardError as exc:
+            raise ValueError(str(exc)) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a table/object of flag names to values")
     return data

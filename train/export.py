@@ -11,14 +11,14 @@ Files are written to a temporary name and renamed, so a crash never leaves a hal
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from dflash.shards.atomic import atomic_write, atomic_write_json
 from dflash.shards.errors import ShardError
-from dflash.shards.layers import default_layer_ids
+from dflash.shards.layers import resolve_layer_ids
+from dflash.shards.safe_io import read_json
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -65,14 +65,6 @@ def hf_config_dict(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -
     }
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def export_drafter(
     model: DFlashDrafter | dict[str, torch.Tensor],
     config: DrafterConfig,
@@ -96,11 +88,10 @@ def export_drafter(
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(hf_config_dict(config, dtype), indent=2) + "\n"
-    _atomic_write(out / CONFIG_FILE, lambda p: p.write_text(text, encoding="utf-8"))
-    _atomic_write(out / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    atomic_write_json(out / CONFIG_FILE, hf_config_dict(config, dtype))
+    atomic_write(out / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     source = (Path(__file__).with_name("hf_modeling.py")).read_text(encoding="utf-8")
-    _atomic_write(out / MODELING_FILE, lambda p: p.write_text(source, encoding="utf-8"))
+    atomic_write(out / MODELING_FILE, lambda p: p.write_text(source, encoding="utf-8"))
     return out
 
 
@@ -127,7 +118,7 @@ def config_from_hf(raw: dict[str, Any], *, mask_token_id: int | None = None) -> 
         layers = int(raw["num_hidden_layers"])
         num_target_layers = int(raw["num_target_layers"])
         ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
-        ids = list(ids) if ids is not None else default_layer_ids(num_target_layers, layers)
+        ids = resolve_layer_ids(num_target_layers, layers, ids)
         mask = (
             mask_token_id
             if mask_token_id is not None
@@ -173,10 +164,7 @@ def load_drafter(
     for p in (config_path, weights_path):
         if not p.is_file():
             raise FileNotFoundError(f"{p} is missing: not an HF drafter directory")
-    try:
-        raw = json.loads(config_path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ShardError(f"{config_path}: not valid JSON ({exc})") from None
+    raw = read_json(config_path, max_bytes=16 << 20)  # depth-limited; special files refused
     config = config_from_hf(raw, mask_token_id=mask_token_id)
     state: dict[str, torch.Tensor] = {}
     try:

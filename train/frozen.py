@@ -5,27 +5,22 @@ Public API (stable):
         .embed(ids) -> [..., H]; .logits(hidden) -> [..., V]; .to(device=None, dtype=None) -> FrozenTarget
         .vocab_size, .hidden_size, .num_layers
     load_frozen_target(cache_dir, *, mask_token_id=None, device=None, dtype=None) -> FrozenTarget
-        reads CACHE/target/frozen.safetensors (`embed_tokens.weight`, `lm_head.weight`) and
-        CACHE/target/config.json; mask_token_id defaults to the first unused embedding row
-        (`default_mask_token_id`), an error when none is free and none is given.
+        reads CACHE/target/ (`dflash.shards.target_parts`); mask_token_id defaults to the first unused
+        embedding row (`default_mask_token_id`), an error when none is free and none is given.
+A tied target's lm_head IS its embedding: one tensor, on every device and in every dtype.
     default_mask_token_id(target_dir, vocab_size) -> int | None
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from dflash.shards.errors import ShardError
-from dflash.shards.manifest import decoder_config
-from dflash.shards.safe_io import check_regular, read_json
-from safetensors import safe_open
-
-FROZEN_FILE = "frozen.safetensors"
-EMBED_KEY = "embed_tokens.weight"
-LM_HEAD_KEY = "lm_head.weight"
+from dflash.shards.safe_io import read_json
+from dflash.shards.target_config import decoder_config
+from dflash.shards.target_parts import read_target_parts
 
 
 class FrozenTarget:
@@ -43,8 +38,9 @@ class FrozenTarget:
                 f"embed {tuple(embed_weight.shape)} and lm_head {tuple(lm_head_weight.shape)} "
                 "must both be [vocab, hidden]"
             )
+        tied = lm_head_weight is embed_weight
         self.embed_weight = embed_weight.detach().requires_grad_(False)
-        self.lm_head_weight = lm_head_weight.detach().requires_grad_(False)
+        self.lm_head_weight = self.embed_weight if tied else lm_head_weight.detach().requires_grad_(False)
         self.config = config
         self.mask_token_id = mask_token_id
 
@@ -66,13 +62,14 @@ class FrozenTarget:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()
 
+    @property
+    def tied(self) -> bool:
+        return self.lm_head_weight is self.embed_weight
+
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> FrozenTarget:
-        return FrozenTarget(
-            self.embed_weight.to(device=device, dtype=dtype),
-            self.lm_head_weight.to(device=device, dtype=dtype),
-            self.config,
-            self.mask_token_id,
-        )
+        embed = self.embed_weight.to(device=device, dtype=dtype)
+        head = embed if self.tied else self.lm_head_weight.to(device=device, dtype=dtype)
+        return FrozenTarget(embed, head, self.config, self.mask_token_id)
 
 
 def _tokenizer_size(target_dir: Path) -> int | None:
@@ -105,33 +102,8 @@ def load_frozen_target(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> FrozenTarget:
-    target_dir = Path(cache_dir) / "target"
-    config_path, frozen_path = target_dir / "config.json", target_dir / FROZEN_FILE
-    for path in (config_path, frozen_path):
-        if not os.path.lexists(path):  # a FIFO or directory gets its own message below
-            raise FileNotFoundError(f"{path} is missing: is {cache_dir} a complete dflash cache?")
-    config = read_json(config_path, max_bytes=16 << 20)
-    text = decoder_config(config) if isinstance(config, dict) else {}
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if type(text.get(k)) is not int]
-    if missing:
-        raise ShardError(f"{config_path}: not a target config (needs integer {', '.join(missing)})")
-    check_regular(frozen_path)  # safetensors would block on a FIFO
-    try:
-        with safe_open(str(frozen_path), framework="pt", device="cpu") as f:
-            keys = set(f.keys())
-            missing = {EMBED_KEY, LM_HEAD_KEY} - keys
-            if missing:
-                raise ShardError(f"{frozen_path}: missing tensors {sorted(missing)} (has {sorted(keys)})")
-            embed, head = f.get_tensor(EMBED_KEY), f.get_tensor(LM_HEAD_KEY)
-        for key, t in ((EMBED_KEY, embed), (LM_HEAD_KEY, head)):
-            if not t.dtype.is_floating_point or t.ndim != 2 or t.dtype.itemsize < 2:
-                raise ShardError(
-                    f"{frozen_path}: {key} is {t.dtype} {tuple(t.shape)}, not a float [vocab, hidden]"
-                )
-    except ShardError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types for malformed files
-        raise ShardError(f"{frozen_path}: unreadable safetensors file ({exc})") from None
+    parts = read_target_parts(cache_dir)
+    target_dir, config, embed, head = parts.directory, parts.config.raw, parts.embed, parts.lm_head
     vocab = int(embed.shape[0])
     if mask_token_id is None:
         mask_token_id = default_mask_token_id(target_dir, vocab)

@@ -53,7 +53,10 @@ def check_trainable(cache: Cache, frozen: FrozenTarget) -> None:
             f"{cache.path}/target/frozen.safetensors: {frozen.vocab_size} embedding rows, fewer than the "
             f"target's vocab_size {vocab} the cache's token ids are checked against"
         )
-    for name, weight in (("embed_tokens", frozen.embed_weight), ("lm_head", frozen.lm_head_weight)):
+    weights = [("embed_tokens", frozen.embed_weight)]
+    if not frozen.tied:  # a tied target's lm_head IS its embedding (stored once)
+        weights.append(("lm_head", frozen.lm_head_weight))
+    for name, weight in weights:
         bad = count_nonfinite(weight)
         if bad:
             raise ShardError(f"{cache.path}/target/frozen.safetensors: {name} holds {bad} NaN/inf values")

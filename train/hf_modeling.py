@@ -119,8 +119,16 @@ class DFlashDecoderLayer(nn.Module):
 
 
 def _default_layer_ids(num_target_layers: int, k: int) -> list[int]:
+    # A copy of dflash.shards.layers.default_layer_ids (this file loads without dflash); a test pins both.
+    if num_target_layers < 1 or k < 1:
+        raise ValueError(f"need num_target_layers >= 1 and k >= 1, got L={num_target_layers}, k={k}")
     if k == 1:
         return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise ValueError(
+            f"the default layer rule needs a target of >= 4 layers (got {num_target_layers}); "
+            "pass the layer ids explicitly"
+        )
     return [round(1 + i * (num_target_layers - 4) / (k - 1)) for i in range(k)]
 
 

@@ -21,20 +21,21 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from dflash.shards import Cache, Fp8Block, ShardReader
+from dflash.shards import Cache, Fp8Block, Sample
 from dflash.shards.errors import ShardError
+from dflash.shards.layers import check_cached
 
-from .blocks import PackedBatch, make_packed_batch
-from .cache_checks import check_layers
+from .blocks import PackedBatch
 from .config import TrainConfig
 from .data_plan import SampleRef, ShardEntries, epoch_batches, group_for_ranks
+from .data_spec import DataSpec, read_sample, shard_entries
 
 if TYPE_CHECKING:
     from .model import DrafterConfig
@@ -91,50 +92,22 @@ class StreamingLoader:
     def __init__(
         self,
         cache: Cache,
+        spec: DataSpec,
         *,
-        layer_ids: Sequence[int],
-        block_size: int,
-        mask_token_id: int,
-        num_anchors: int,
-        gamma: float,
-        token_budget: int,
-        max_length: int,
-        shuffle_window: int,
-        loader_threads: int,
-        prefetch_batches: int,
-        on_corrupt: str,
-        heldout_fraction: float,
-        heldout_rows: frozenset[int] = frozenset(),
-        seed: int,
-        epochs: int,
         rank: int = 0,
         world_size: int = 1,
         device: torch.device | None = None,
-        pad_blocks_to_multiple: int = 1,
-        dequantize_on_device: bool | None = None,
     ) -> None:
-        check_layers(layer_ids, cache.layers)
-        self.cache = cache
-        self.layer_ids = list(layer_ids)
-        self.block_size, self.mask_token_id, self.num_anchors, self.gamma = (
-            block_size,
-            mask_token_id,
-            num_anchors,
-            gamma,
-        )
-        self.token_budget, self.max_length, self.shuffle_window = token_budget, max_length, shuffle_window
-        self.loader_threads, self.prefetch_batches = loader_threads, prefetch_batches
-        self.on_corrupt = on_corrupt
-        self.heldout_fraction, self.heldout_rows = heldout_fraction, heldout_rows
-        self.seed, self.epochs, self.rank, self.world_size = seed, epochs, rank, world_size
+        check_cached(spec.layer_ids, cache.layers)
+        self.cache, self.spec = cache, spec
+        self.rank, self.world_size = rank, world_size
         device = device or torch.device("cpu")
         if device.type == "cuda" and device.index is None:
             # A side thread starts on device 0, so the copier needs the concrete index.
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self.pad_blocks_to_multiple = pad_blocks_to_multiple
         # fp8 frames stay fp8 until the batch is on the device (default: on CUDA; tests force it on a CPU).
-        on_device = device.type == "cuda" if dequantize_on_device is None else dequantize_on_device
+        on_device = device.type == "cuda" if spec.dequantize_on_device is None else spec.dequantize_on_device
         self.fp8_on_device = on_device and cache.codec.name == "fp8"
         self.bad_shards: dict[str, str] = {}
         self.corrupt_messages: list[str] = []
@@ -153,75 +126,45 @@ class StreamingLoader:
         device: torch.device | None = None,
         **overrides: Any,
     ) -> StreamingLoader:
-        """The loader a run with `cfg` trains from: the drafter's layers and blocks, the run's data settings.
-
-        `overrides` replace single settings (benchmarks use them, e.g. `loader_threads`)."""
-        settings: dict[str, Any] = dict(
-            layer_ids=drafter_cfg.target_layer_ids,
-            block_size=drafter_cfg.block_size,
-            mask_token_id=drafter_cfg.mask_token_id,
-            num_anchors=cfg.drafter.num_anchors,
-            gamma=cfg.drafter.loss_gamma,
-            token_budget=cfg.data.token_budget,
-            max_length=cfg.data.max_length,
-            shuffle_window=cfg.data.shuffle_window,
-            loader_threads=cfg.data.loader_threads,
-            prefetch_batches=cfg.data.prefetch_batches,
-            on_corrupt=cfg.data.on_corrupt,
-            heldout_fraction=cfg.data.eval_fraction,
-            heldout_rows=heldout_rows,
-            seed=cfg.seed,
-            epochs=cfg.optim.epochs,
-            rank=rank,
-            world_size=world_size,
-            device=device,
-        )
-        return cls(cache, **{**settings, **overrides})
+        """The loader a run with `cfg` trains from (`DataSpec.for_run`; `overrides` replace single fields)."""
+        spec = DataSpec.for_run(cfg, drafter_cfg, heldout_rows, **overrides)
+        return cls(cache, spec, rank=rank, world_size=world_size, device=device)
 
     # --- position ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, int]:
-        """The position after the last batch `iterate()` yielded (JSON-able)."""
-        return {**self._state, "seed": self.seed, "world_size": self.world_size}
+        """The position after the last batch `iterate()` yielded (JSON-able). `skipped_samples` counts this
+        rank's skips; the trainer saves their sum over ranks (`load_state_dict` gives it back to rank 0)."""
+        return {**self._state, "seed": self.spec.seed, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("seed", self.seed) != self.seed:
+        if state.get("seed", self.spec.seed) != self.spec.seed:
             raise ValueError(
-                f"loader state was saved with seed {state['seed']}, this run has seed {self.seed}"
+                f"loader state was saved with seed {state['seed']}, this run has seed {self.spec.seed}"
             )
         self._state = {k: int(state[k]) for k in ("epoch", "next_index", "skipped_samples")}
+        if self.rank != 0:  # the saved count is every rank's: rank 0 carries it, so the sum stays right
+            self._state["skipped_samples"] = 0
 
     # --- shard access (the cache keeps an LRU of open shards) ----------------------------------------
 
     def entries_of(self, name: str) -> ShardEntries:
         """A shard's index for the planner; an unreadable index skips the whole shard under `skip`."""
-        try:
-            entries = self.cache.shard(name).entries
-        except (ShardError, OSError) as exc:
-            if self.on_corrupt != "skip":
-                raise ShardError(f"{exc} (pass --on-corrupt skip to train without this shard)") from None
-            if name not in self.bad_shards:
-                self.bad_shards[name] = str(exc)
-                log.warning("skipping shard %s: %s", name, exc)
-            return ShardEntries(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
-        return ShardEntries(
-            rows=np.fromiter((e.row for e in entries), np.int64, len(entries)),
-            lengths=np.fromiter((e.length for e in entries), np.int64, len(entries)),
-            supervised=np.fromiter((e.supervised for e in entries), np.int64, len(entries)),
-        )
+        return shard_entries(self.cache, name, self.spec.on_corrupt, self.bad_shards)
 
     def _plan(self, epoch: int, start_index: int) -> Iterator[_Job]:
         """This rank's jobs of one epoch from global batch `start_index` (a group boundary)."""
+        spec = self.spec
         stream = epoch_batches(
             self.cache.shard_names,
             self.entries_of,
-            seed=self.seed,
+            seed=spec.seed,
             epoch=epoch,
-            window=self.shuffle_window,
-            token_budget=self.token_budget,
-            max_length=self.max_length,
-            heldout_fraction=self.heldout_fraction,
-            heldout_rows=self.heldout_rows,
+            window=spec.shuffle_window,
+            token_budget=spec.token_budget,
+            max_length=spec.max_length,
+            heldout_fraction=spec.heldout_fraction,
+            heldout_rows=spec.heldout_rows,
         )
         for _ in range(start_index):  # skipping needs shard indexes only: nothing is decompressed
             if next(stream, None) is None:
@@ -233,16 +176,8 @@ class StreamingLoader:
 
     # --- stages ------------------------------------------------------------------------------------
 
-    def _read(self, ref: SampleRef, reader: ShardReader) -> object | ShardError:
-        try:
-            # Cut to --max-length while decoding: the tokens past it are never decompressed.
-            return reader.read(
-                ref.index, self.layer_ids, dequantize=not self.fp8_on_device, max_tokens=self.max_length
-            )
-        except ShardError as exc:
-            if self.on_corrupt != "skip":
-                raise ShardError(f"{exc} (pass --on-corrupt skip to drop corrupt samples)") from None
-            return exc
+    def _read(self, ref: SampleRef) -> Sample | ShardError:
+        return read_sample(self.cache, ref, self.spec, dequantize=not self.fp8_on_device)
 
     def _build(self, job: _Job, reads: list[Future]) -> LoadedBatch:
         samples, skipped = [], 0
@@ -259,16 +194,7 @@ class StreamingLoader:
         if not samples:  # nothing left for this rank (epoch tail or all corrupt): a zero-weight step
             loss_scale = 0.0
             samples = [self._filler()]
-        batch = make_packed_batch(
-            samples,
-            block_size=self.block_size,
-            mask_token_id=self.mask_token_id,
-            num_anchors=self.num_anchors,
-            gamma=self.gamma,
-            generator=anchor_generator(self.seed, job.epoch, job.index),
-            layer_ids=self.layer_ids,
-            pad_blocks_to_multiple=self.pad_blocks_to_multiple,
-        )
+        batch = self.spec.pack(samples, generator=anchor_generator(self.spec.seed, job.epoch, job.index))
         # On CUDA the copy thread dequantizes fp8 batches on the GPU; elsewhere it happens here.
         batch = batch.pin_memory() if self.device.type == "cuda" else batch.dequantized()
         rows = [s.row for s in samples] if loss_scale else []
@@ -277,10 +203,8 @@ class StreamingLoader:
             batch, rows, batch.num_context_tokens, loss_scale, job.epoch, job.index, skipped, weight_sum
         )
 
-    def _filler(self) -> object:
+    def _filler(self) -> Sample:
         """A two-token sample with all layers zero: gives a rank with no data something to compute on."""
-        from dflash.shards import Sample
-
         width = self.cache.manifest.hidden_size
         zeros = (
             Fp8Block(q=torch.zeros(2, width, dtype=torch.uint8), scale=torch.ones(2))
@@ -291,14 +215,14 @@ class StreamingLoader:
             row=-1,
             input_ids=torch.zeros(2, dtype=torch.long),
             loss_mask=torch.ones(2, dtype=torch.bool),
-            hidden={i: zeros for i in self.layer_ids},
+            hidden={i: zeros for i in self.spec.layer_ids},
         )
 
     def iterate(self) -> Iterator[tuple[LoadedBatch, dict[str, int]]]:
         """Yield (batch, state after it) until the last epoch ends; closing the generator stops every stage."""
         stop = threading.Event()
-        built: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)
-        decode_pool = ThreadPoolExecutor(self.loader_threads, thread_name_prefix="dflash-decode")
+        built: queue.Queue = queue.Queue(maxsize=self.spec.prefetch_batches)
+        decode_pool = ThreadPoolExecutor(self.spec.loader_threads, thread_name_prefix="dflash-decode")
         build_pool = ThreadPoolExecutor(2, thread_name_prefix="dflash-build")
 
         def put(q: queue.Queue, item: object) -> bool:
@@ -313,12 +237,9 @@ class StreamingLoader:
         def planner() -> None:
             try:
                 epoch, start = self._state["epoch"], self._state["next_index"]
-                for e in range(epoch, self.epochs):
+                for e in range(epoch, self.spec.epochs):
                     for job in self._plan(e, start if e == epoch else 0):
-                        reads = [
-                            decode_pool.submit(self._read, ref, self.cache.shard(ref.shard))
-                            for ref in job.samples
-                        ]
+                        reads = [decode_pool.submit(self._read, ref) for ref in job.samples]
                         if not put(built, (job, build_pool.submit(self._build, job, reads))):
                             return
                 put(built, _END)
@@ -353,11 +274,12 @@ class StreamingLoader:
                 }
                 yield loaded, self.state_dict()
         finally:
+            # Every thread is joined before this returns: none may read the cache after its owner closes it.
             stop.set()
-            decode_pool.shutdown(wait=False, cancel_futures=True)
-            build_pool.shutdown(wait=False, cancel_futures=True)
             for t in threads:
-                t.join(timeout=5)
+                t.join()
+            decode_pool.shutdown(wait=True, cancel_futures=True)
+            build_pool.shutdown(wait=True, cancel_futures=True)
 
     def _copier(self, built: queue.Queue, out: queue.Queue, put, stop: threading.Event) -> None:
         """Host-to-device copies on a side stream, one batch ahead of the consumer."""

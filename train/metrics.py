@@ -9,11 +9,16 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dflash.shards.atomic import atomic_write, atomic_write_bytes
+from dflash.shards.errors import ShardError
+from dflash.shards.safe_io import load_json
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +35,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     records = []
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            records.append(load_json(line, str(path)))
+        except ShardError:
             continue
     return records
 
@@ -42,6 +47,38 @@ def format_eta(seconds: float) -> str:
     seconds = int(seconds)
     hours, rest = divmod(seconds, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+@dataclass(slots=True)
+class LogWindow:
+    """Sums between two log steps (the loss sum may stay a device tensor until then); `record` reduces
+    them over ranks with one call of `reduce_sum`, the log step's one collective."""
+
+    loss_sum: Any = 0.0
+    weight_sum: float = 0.0
+    tokens: float = 0.0
+    wait: float = 0.0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, loss_sum: Any, weight_sum: float, tokens: int, wait: float) -> None:
+        self.loss_sum += loss_sum
+        self.weight_sum += weight_sum
+        self.tokens += tokens
+        self.wait += wait
+
+    def record(
+        self, reduce_sum: Callable[[list[float]], list[float]], world_size: int, skipped: int
+    ) -> dict[str, Any]:
+        elapsed = time.perf_counter() - self.start
+        loss, weight, tokens, wait, skipped_all = reduce_sum(
+            [float(self.loss_sum), self.weight_sum, self.tokens, self.wait, float(skipped)]
+        )
+        return {
+            "loss": loss / max(weight, 1e-12),
+            "tokens_per_s": tokens / max(elapsed, 1e-9),
+            "data_wait_frac": min(1.0, wait / max(elapsed * world_size, 1e-9)),
+            "skipped_samples": int(skipped_all),
+        }
 
 
 class MetricsLogger:
@@ -90,14 +127,9 @@ class MetricsLogger:
             )
 
     def _rewrite(self, records: list[dict[str, Any]]) -> None:
-        path = self.run_dir / METRICS_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_bytes(
+            self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in records).encode()
+        )
 
     def log(self, record: Mapping[str, Any]) -> None:
         """Append one record (must hold `step`); scalars also go to TensorBoard."""
@@ -122,6 +154,30 @@ class MetricsLogger:
             return
         self._bar.update(step - self._bar.n)
         self._bar.set_postfix(fields, refresh=False)
+
+    def show_step(
+        self,
+        step: int,
+        last_step: int,
+        record: Mapping[str, Any],
+        epoch: int,
+        tau: float | None,
+        since: float,
+    ) -> None:
+        """The bar's numbers: epoch, the latest loss, tau, throughput, data wait and the time left (at the
+        rate of steps since `since`, a `time.perf_counter()` reading)."""
+        rate = step / max(time.perf_counter() - since, 1e-9)
+        self.progress(
+            step,
+            {
+                "ep": epoch,
+                "loss": f"{record.get('loss', float('nan')):.3f}",
+                "tau": f"{tau if tau is not None else float('nan'):.2f}",
+                "tok/s": f"{record.get('tokens_per_s', 0):.0f}",
+                "wait": f"{100 * record.get('data_wait_frac', 0):.0f}%",
+                "eta": format_eta((last_step - step) / max(rate, 1e-9)),
+            },
+        )
 
     def write(self, message: str) -> None:
         """A line above the bar (or to the log when there is none)."""
@@ -164,11 +220,10 @@ def write_plots(history: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     written = []
 
     def save(fig: Any, name: str) -> None:
-        path = out_dir / name
-        tmp = out_dir / f".{name}.tmp.png"
-        fig.savefig(tmp, dpi=90, bbox_inches="tight")
+        path = atomic_write(
+            out_dir / name, lambda tmp: fig.savefig(tmp, format="png", dpi=90, bbox_inches="tight")
+        )
         plt.close(fig)
-        os.replace(tmp, path)
         written.append(path)
 
     def series(key: str) -> tuple[list[int], list[float]]:

@@ -11,7 +11,7 @@ Public API (stable; other modules rely on it):
 
 Single device, no distributed code (that lives in `parallelize.py`). Parameter names equal the exported
 checkpoint's names (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`, ...), so `state_dict()` is exported as is.
-See /work/shared/DFLASH.md for the semantics this reproduces.
+The semantics follow the DFlash paper (arXiv 2602.06036) and the authors' released drafters.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from dflash.shards.layers import default_layer_ids
-from dflash.shards.manifest import decoder_config
+from dflash.shards.layers import check_layer_ids, resolve_layer_ids
+from dflash.shards.target_config import decoder_config
 from torch import nn
 
 if TYPE_CHECKING:
@@ -69,7 +69,6 @@ class DrafterConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
-        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
         for name in (
             "hidden_size",
             "num_attention_heads",
@@ -93,15 +92,7 @@ class DrafterConfig:
             raise ValueError(
                 f"block_size must be >= 2 (an anchor plus at least one drafted slot), got {self.block_size}"
             )
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids must name at least one target layer")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {bad} outside the target's layers 0..{self.num_target_layers - 1}"
-            )
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            raise ValueError(f"target_layer_ids has duplicates: {list(self.target_layer_ids)}")
+        self.target_layer_ids = check_layer_ids(self.target_layer_ids, self.num_target_layers)
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}"
@@ -133,7 +124,9 @@ class DrafterConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=int(text.get("num_key_value_heads") or heads),
                 head_dim=int(text.get("head_dim") or hidden // heads),
-                intermediate_size=int(text["intermediate_size"]),
+                # MoE-only targets (Qwen3.5-35B-A3B) have no dense MLP width: 3 x hidden is what public
+                # DFlash drafters of such targets use, and Qwen3-30B-A3B's own `intermediate_size`.
+                intermediate_size=int(text.get("intermediate_size") or 3 * hidden),
                 vocab_size=int(text["vocab_size"]),
             )
         except KeyError as exc:
@@ -141,14 +134,9 @@ class DrafterConfig:
                 f"target config lacks {exc.args[0]!r}; is it a decoder-only Qwen config?"
             ) from None
         theta, scaling = rope_settings(text)
-        ids = (
-            list(target_layer_ids)
-            if target_layer_ids is not None
-            else default_layer_ids(num_target_layers, num_hidden_layers)
-        )
         values.update(
             num_target_layers=num_target_layers,
-            target_layer_ids=tuple(ids),
+            target_layer_ids=resolve_layer_ids(num_target_layers, num_hidden_layers, target_layer_ids),
             mask_token_id=mask_token_id,
             num_hidden_layers=num_hidden_layers,
             block_size=block_size,

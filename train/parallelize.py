@@ -56,6 +56,13 @@ def init_distributed(requested_device: str, timeout_s: float = 1800.0) -> DistIn
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
+def mixed_precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (fp32 master weights stay fp32); plain fp32 elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def wrap_model(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     """DDP over the drafter when the world has more than one process (frozen parts are not parameters)."""
     if not info.distributed:
@@ -85,14 +92,6 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=info.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
-
-
-def all_reduce_max(value: float, info: DistInfo) -> float:
-    if not info.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def barrier(info: DistInfo) -> None:

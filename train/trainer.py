@@ -1,18 +1,21 @@
-"""The training loop: build -> (resume) -> stream, step, log, evaluate, checkpoint -> close.
+"""The training loop: `Trainer.build` -> `resume` -> `fit` (train_step, log, evaluate, save) -> `close`.
 
-One flat function with `# ---` sections, read top-down. Everything that decides the trajectory
-(weights, optimizer, schedule position, data position, anchors, global RNGs) is in the checkpoint,
-so on the CPU a resumed run reproduces the uninterrupted losses bit for bit.
+Everything that decides the trajectory (weights, optimizer, schedule position, data position, anchors,
+global RNGs) is in the checkpoint, so on the CPU a resumed run reproduces the uninterrupted losses bit
+for bit. Checks, in the order they run: the cache's target parts and layers before the model is built
+(`build`, with `guards.check_trainable`), the checkpoint's settings and cache identity (`resume`), each
+shard's identity when the loader or evaluation first opens it (`Cache.shard`), and a NaN/inf loss or
+gradient (`guards.FiniteGuard`: recorded by `train_step`, read on log, evaluation and save steps, so a
+non-finite drafter is never checkpointed nor exported).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import random
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,26 +23,29 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.shards import Cache
-from dflash.shards.manifest import PROVENANCE_FIELDS
+from dflash.shards.atomic import atomic_write_json
+from dflash.shards.layers import resolve_layer_ids
 from dflash.shards.outdir import claim_out_dir
 
 from . import checkpoint as ckpt
-from .cache_checks import check_cache, resolve_layer_ids
-from .config import TrainConfig, config_from_flat, estimate_total_steps, lr_at
-from .evaluate import configured_eval_set, evaluate_configured
+from .cache_checks import check_cache
+from .config import TrainConfig, estimate_total_steps, lr_at
+from .data_spec import DataSpec, read_eval_rows
+from .evaluate import EvalSet, build_eval_set, evaluate
 from .export import export_drafter
-from .frozen import load_frozen_target
+from .frozen import FrozenTarget, load_frozen_target
 from .guards import FiniteGuard, check_trainable
-from .loader import StreamingLoader
+from .loader import LoadedBatch, StreamingLoader
 from .loss import drafter_loss
 from .mask import build_attention_mask
-from .metrics import MetricsLogger, format_eta
+from .metrics import LogWindow, MetricsLogger
 from .model import DFlashDrafter, DrafterConfig
 from .parallelize import (
     DistInfo,
     all_reduce_sum,
     barrier,
     init_distributed,
+    mixed_precision,
     no_sync_unless,
     shutdown,
     wrap_model,
@@ -58,284 +64,343 @@ class TrainResult:
     final_metrics: dict[str, Any]
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    # --- process group, run directory, seeds --------------------------------------------------------
-    info: DistInfo = init_distributed(cfg.device)
-    run_dir = Path(cfg.out)
-    if info.is_main:
-        claim_out_dir(run_dir, "run")  # the --out rule, before anything is cleaned up or written
-        for action in ckpt.clean_interrupted_saves(run_dir):
-            log.warning("interrupted checkpoint write: %s", action)
-    barrier(info)
-    resume_from = ckpt.latest_checkpoint(run_dir) if cfg.resume else None
-    if cfg.resume and resume_from is None:
-        log.warning("--resume: %s holds no checkpoint yet; starting from scratch", run_dir)
-    if not cfg.resume and ckpt.list_checkpoints(run_dir):
-        raise ValueError(
-            f"{run_dir} already holds checkpoints: pass --resume to continue, or choose a new --out"
-        )
-    torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed % 2**32)
-    random.seed(cfg.seed)
-    device = info.device
-    if cfg.attention == "flex" and device.type != "cuda":
-        raise ValueError(
-            f"--attention flex needs a CUDA device: FlexAttention has no backward on {device.type}; "
-            "use --attention auto (the default) or dense"
-        )
+@dataclass(slots=True)
+class StepResult:
+    """One optimizer step on this rank: the weighted loss sum stays on the device (no sync per step)."""
 
-    # --- cache, frozen target, drafter ----------------------------------------------------------------
-    cache = Cache.open(cfg.cache)
-    frozen_cpu = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
-    layer_ids = resolve_layer_ids(cfg, frozen_cpu.num_layers, cache.layers)
-    drafter_cfg = DrafterConfig.from_target_config(
-        frozen_cpu.config,
-        mask_token_id=frozen_cpu.mask_token_id,
-        num_hidden_layers=cfg.drafter.num_draft_layers,
-        block_size=cfg.drafter.block_size,
-        target_layer_ids=layer_ids,
-    )
-    check_cache(cache, frozen_cpu, drafter_cfg)
-    check_trainable(cache, frozen_cpu)
-    frozen = frozen_cpu.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    with device:  # initialised where it trains (seconds, not minutes, for a 1B-parameter drafter on a GPU)
-        model = DFlashDrafter(drafter_cfg)  # fp32 master weights; bf16 compute via autocast on CUDA
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    param_names = [n for n, _ in named]
-    optimizer = torch.optim.AdamW(
-        [p for _, p in named],
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        weight_decay=cfg.optim.weight_decay,
-        fused=device.type == "cuda" or None,
-    )
-    heldout_rows = _read_eval_rows(cfg.data.eval_rows)
-    loader = StreamingLoader.for_run(
-        cache,
-        cfg,
-        drafter_cfg,
-        heldout_rows=heldout_rows,
-        rank=info.rank,
-        world_size=info.world_size,
-        device=device,
-    )
+    loss_sum: torch.Tensor
+    weight_sum: float
+    tokens: int
+    grad_norm: torch.Tensor
+    lr: float
 
-    # --- resume ---------------------------------------------------------------------------------------
-    step, best_tau = 0, None
-    total_steps = estimate_total_steps(cache.manifest, cfg, info.world_size)
-    if resume_from is not None:
-        saved_meta = ckpt.read_json(resume_from / "meta.json")
-        ckpt.check_resume(saved_meta, cfg.to_flat(), cache.manifest)
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+class Trainer:
+    """One run's parts; `build` makes them, `fit` trains. `train_step` works on its own (tests call it)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        info: DistInfo,
+        cache: Cache,
+        frozen: FrozenTarget,
+        drafter_cfg: DrafterConfig,
+        spec: DataSpec,
+    ) -> None:
+        self.cfg, self.info, self.cache, self.frozen = cfg, info, cache, frozen
+        self.drafter_cfg, self.spec = drafter_cfg, spec
+        self.run_dir = Path(cfg.out)
+        device = info.device
+        # Initialised where it trains (seconds, not minutes, for a 1B-parameter drafter on a GPU); fp32
+        # master weights, bf16 compute via autocast on CUDA.
+        with device:
+            self.model = DFlashDrafter(drafter_cfg)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in named],
+            lr=cfg.optim.lr,
+            betas=(cfg.optim.beta1, cfg.optim.beta2),
+            weight_decay=cfg.optim.weight_decay,
+            fused=device.type == "cuda" or None,
+        )
+        self.ddp_model = wrap_model(self.model, info)
+        self.loader = StreamingLoader(cache, spec, rank=info.rank, world_size=info.world_size, device=device)
+        self.autocast = mixed_precision(device)
+        self.step, self.best_tau, self.last_tau = 0, None, None
+        self.total_steps = estimate_total_steps(cache.manifest, cfg, info.world_size)
+        self.eval_set: EvalSet | None = None
+        self.guard = FiniteGuard(cache, spec.layer_ids)  # a NaN/inf loss or gradient stops the run
+
+    @classmethod
+    def build(cls, cfg: TrainConfig) -> Trainer:
+        """Process group, run directory and seeds; then the cache, its frozen target parts and the drafter,
+        each checked against the others before any step runs."""
+        info = init_distributed(cfg.device)
+        if cfg.attention == "flex" and info.device.type != "cuda":
+            raise ValueError(
+                f"--attention flex needs a CUDA device: FlexAttention has no backward on {info.device.type}; "
+                "use --attention auto (the default) or dense"
+            )
+        run_dir = Path(cfg.out)
+        if info.is_main:
+            claim_out_dir(run_dir, "run")  # the --out rule, before anything is cleaned up or written
+            for action in ckpt.clean_interrupted_saves(run_dir):
+                log.warning("interrupted checkpoint write: %s", action)
+        barrier(info)
+        if not cfg.resume and ckpt.list_checkpoints(run_dir):
+            raise ValueError(
+                f"{run_dir} already holds checkpoints: pass --resume to continue, or choose a new --out"
+            )
+        _seed_everything(cfg.seed)
+        cache = Cache.open(cfg.cache)
+        try:
+            frozen = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
+            layer_ids = resolve_layer_ids(
+                frozen.num_layers,
+                cfg.drafter.num_draft_layers,
+                cfg.drafter.target_layer_ids,
+                cached=cache.layers,
+            )
+            drafter_cfg = DrafterConfig.from_target_config(
+                frozen.config,
+                mask_token_id=frozen.mask_token_id,
+                num_hidden_layers=cfg.drafter.num_draft_layers,
+                block_size=cfg.drafter.block_size,
+                target_layer_ids=layer_ids,
+            )
+            check_cache(cache, frozen, drafter_cfg)
+            check_trainable(cache, frozen)
+            spec = DataSpec.for_run(cfg, drafter_cfg, read_eval_rows(cfg.data.eval_rows))
+            compute = torch.bfloat16 if info.device.type == "cuda" else torch.float32
+            return cls(cfg, info, cache, frozen.to(device=info.device, dtype=compute), drafter_cfg, spec)
+        except BaseException:
+            cache.close()
+            raise
+
+    @property
+    def max_steps(self) -> int:
+        """Epochs end the run unless a step budget does."""
+        return self.cfg.optim.max_steps or self.total_steps * 10**6
+
+    @property
+    def planned_steps(self) -> int:
+        return min(self.total_steps, self.max_steps)
+
+    def resume(self) -> bool:
+        """Continue from the run directory's latest checkpoint (with `--resume`), after checking that it was
+        written with the same settings and against this very cache. False when there is none."""
+        found = ckpt.latest_checkpoint(self.run_dir) if self.cfg.resume else None
+        if found is None:
+            if self.cfg.resume:
+                log.warning("--resume: %s holds no checkpoint yet; starting from scratch", self.run_dir)
+            return False
+        ckpt.check_resume(ckpt.read_json(found / "meta.json"), self.cfg.to_flat(), self.cache.manifest)
         meta, loader_state = ckpt.load_checkpoint(
-            resume_from, model=model, optimizer=optimizer, param_names=param_names
+            found, model=self.model, optimizer=self.optimizer, param_names=self.param_names
         )
-        loader.load_state_dict(loader_state)
-        step, total_steps, best_tau = meta["step"], meta["total_steps"], meta.get("best_tau")
-    max_steps = cfg.optim.max_steps or total_steps * 10**6  # epochs end the run unless a step budget does
-    warmup_steps = round(cfg.optim.warmup_frac * total_steps)
-    ddp_model = wrap_model(model, info)
-    logger = MetricsLogger(
-        run_dir,
-        enabled=info.is_main,
-        start_step=step,
-        total_steps=min(total_steps, max_steps),
-        tensorboard=cfg.tensorboard,
-        plots=cfg.plots,
-        progress=cfg.progress,
-    )
-    if info.is_main:
-        # For people to read; checkpoints' meta.json is what a resume trusts.
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_flat(), indent=1) + "\n")
-        logger.write(
-            f"dflash-train: {model.num_parameters() / 1e6:.1f}M drafter params, layers {list(layer_ids)}, "
-            f"{cache.manifest.rows} cached rows, ~{total_steps} steps, world {info.world_size}, "
-            f"{'resuming at step ' + str(step) if step else 'from scratch'}"
+        self.loader.load_state_dict(loader_state)
+        self.step, self.total_steps, self.best_tau = meta["step"], meta["total_steps"], meta.get("best_tau")
+        return True
+
+    def train_step(self, micro: Sequence[LoadedBatch]) -> StepResult:
+        """One optimizer step over `grad_accum` micro-batches; the loss is normalised by the loss-weight sum
+        over the micro-batches of every rank, so accumulation and world size do not change the gradient."""
+        cfg, info = self.cfg, self.info
+        local_weight = sum(m.weight_sum for m in micro)
+        global_weight = all_reduce_sum([local_weight], info)[0]
+        normalizer = max(global_weight, 1e-12) / info.world_size  # DDP averages gradients over ranks
+        loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+        for i, loaded in enumerate(micro):
+            batch = loaded.wait()
+            with no_sync_unless(self.ddp_model, i == len(micro) - 1), self.autocast:
+                attn_mask = build_attention_mask(batch, cfg.attention)
+                loss, stats = drafter_loss(
+                    self.ddp_model, self.frozen, batch, attn_mask=attn_mask, normalizer=normalizer
+                )
+                (loss * loaded.loss_scale).backward()
+            if loaded.loss_scale:
+                loss_sum += stats.loss_sum.double()
+        grad_norm = (
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+            if cfg.optim.grad_clip > 0
+            else torch.tensor(float("nan"))
         )
-    eval_set = None
-    meta_base = {
-        "config": cfg.to_flat(),
-        "drafter": dataclasses.asdict(drafter_cfg),
-        "total_steps": total_steps,
-        "manifest_sha256": ckpt.manifest_digest(cache.manifest),
-        "world_size": info.world_size,
-        "cache_provenance": {k: cache.manifest.to_dict()[k] for k in PROVENANCE_FIELDS},
-    }
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    )
+        lr = lr_at(
+            self.step,
+            base_lr=cfg.optim.lr,
+            warmup_steps=round(cfg.optim.warmup_frac * self.total_steps),
+            total_steps=self.total_steps,
+            min_lr_frac=cfg.optim.min_lr_frac,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        clipped = grad_norm if cfg.optim.grad_clip > 0 else None  # else the guard computes the norm
+        rows = [r for m in micro for r in m.rows]
+        self.guard.record(self.step + 1, rows, loss_sum, clipped, self.model.parameters())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        tokens = sum(m.tokens for m in micro if m.loss_scale)
+        return StepResult(loss_sum, local_weight, tokens, grad_norm, lr)
+
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out metrics (rank 0 only: the other ranks wait at the caller's barrier)."""
+        if self.eval_set is None:
+            self.eval_set = build_eval_set(self.cache, self.spec)
+        return evaluate(
+            self.model, self.frozen, self.cache, self.eval_set, self.spec, device=self.info.device
+        )
 
     def save(
-        path: Path, loader_state: dict[str, Any], extra: dict[str, Any], weights_only: bool = False
+        self, path: Path, loader_state: dict[str, Any], extra: dict[str, Any] | None = None, **kw: Any
     ) -> Path:
+        """A checkpoint of the current step at `path` (rank 0; `weights_only=True` for RUN/best)."""
+        meta = {
+            "config": self.cfg.to_flat(),
+            "drafter": dataclasses.asdict(self.drafter_cfg),
+            "total_steps": self.total_steps,
+            "world_size": self.info.world_size,
+            **ckpt.cache_identity(self.cache.manifest),
+            "best_tau": self.best_tau,
+            **(extra or {}),
+        }
         return ckpt.save_checkpoint(
             path,
-            step,
-            model=model,
-            optimizer=optimizer,
-            param_names=param_names,
+            self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            param_names=self.param_names,
             loader_state=loader_state,
-            meta={**meta_base, "best_tau": best_tau, **extra},
-            weights_only=weights_only,
+            meta=meta,
+            **kw,
         )
 
-    # --- the loop ---------------------------------------------------------------------------------------
-    batches = loader.iterate()
-    guard = FiniteGuard(cache, layer_ids)  # a NaN/inf loss or gradient stops the run before any write
-    loader_state = loader.state_dict()
-    window = dict.fromkeys(("loss_sum", "weight_sum", "tokens", "wait"), 0.0)
-    last_saved, last_record, last_tau = None, {}, None
-    started = window_start = time.perf_counter()
-    t_wait = time.perf_counter()
-    lookahead = next(batches, None)  # one batch ahead, so the last step is known when it runs
-    first_wait = time.perf_counter() - t_wait
-    try:
-        while lookahead is not None and step < max_steps:
-            # --- take grad_accum micro-batches (time blocked on the loader is data wait)
-            wait = first_wait
-            first_wait = 0.0
-            micro = []
-            while lookahead is not None and len(micro) < cfg.optim.grad_accum:
-                micro.append(lookahead[0])
-                loader_state = lookahead[1]
-                t_wait = time.perf_counter()
-                lookahead = next(batches, None)
-                wait += time.perf_counter() - t_wait
-            # --- forward/backward; the loss is normalised by the weight sum over micro-batches and ranks
-            local_weight = sum(m.weight_sum for m in micro)
-            global_weight = all_reduce_sum([local_weight], info)[0]
-            normalizer = max(global_weight, 1e-12) / info.world_size  # DDP averages gradients over ranks
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # on device: no sync per step
-            for i, loaded in enumerate(micro):
-                batch = loaded.wait()
-                with no_sync_unless(ddp_model, i == len(micro) - 1), autocast:
-                    attn_mask = build_attention_mask(batch, cfg.attention)
-                    loss, stats = drafter_loss(
-                        ddp_model, frozen, batch, attn_mask=attn_mask, normalizer=normalizer
-                    )
-                    (loss * loaded.loss_scale).backward()
-                if loaded.loss_scale:
-                    loss_sum += stats.loss_sum.double()
-            # --- clip, schedule, step
-            grad_norm = (
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-                if cfg.optim.grad_clip > 0
-                else torch.tensor(float("nan"))
-            )
-            lr = lr_at(
-                step,
-                base_lr=cfg.optim.lr,
-                warmup_steps=warmup_steps,
-                total_steps=total_steps,
-                min_lr_frac=cfg.optim.min_lr_frac,
-            )
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            clipped = grad_norm if cfg.optim.grad_clip > 0 else None
-            guard.record(step + 1, [r for m in micro for r in m.rows], loss_sum, clipped, model.parameters())
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            window["loss_sum"] += loss_sum
-            window["weight_sum"] += local_weight
-            window["tokens"] += sum(m.tokens for m in micro if m.loss_scale)
-            window["wait"] += wait
-            last_step = step >= max_steps or lookahead is None
-            do_eval = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or last_step)
-            # --- log (one small all-reduce on log steps)
-            logged = step % max(cfg.log_every, 1) == 0 or last_step or do_eval
-            if logged or (cfg.save_every and step % cfg.save_every == 0):
-                guard.check()  # synced with the log; before any checkpoint or export is written
-            if logged:
-                window["loss_sum"] = float(window["loss_sum"])  # the device sync of a log step
-                elapsed = time.perf_counter() - window_start
-                loss_all, weight_all, tokens_all, wait_all, skipped_all = all_reduce_sum(
-                    [*window.values(), float(loader_state["skipped_samples"])], info
-                )
-                last_record = {
-                    "step": step,
-                    "epoch": micro[-1].epoch,
-                    "loss": loss_all / max(weight_all, 1e-12),
-                    "lr": lr,
-                    "grad_norm": float(grad_norm),
-                    "tokens_per_s": tokens_all / max(elapsed, 1e-9),
-                    "data_wait_frac": min(1.0, wait_all / max(elapsed * info.world_size, 1e-9)),
-                    "skipped_samples": int(skipped_all),
-                }
-                window = dict.fromkeys(window, 0.0)
-            # --- evaluate (rank 0; the others wait at the barrier)
-            if do_eval:
-                if eval_set is None:
-                    eval_set = configured_eval_set(cache, cfg, heldout_rows)
-                if info.is_main:
-                    result = evaluate_configured(
-                        model, frozen, cache, eval_set, cfg, drafter_cfg, device=device
-                    )
-                    last_record = {**last_record, "step": step, **result}
-                    last_tau = result.get("tau", last_tau)
-                    if result.get("tau") is not None and (best_tau is None or result["tau"] > best_tau):
-                        best_tau = result["tau"]
-                        save(run_dir / ckpt.BEST_DIR, loader_state, {"eval": result}, weights_only=True)
-                        export_drafter(model, drafter_cfg, run_dir / EXPORT_DIR)
-                barrier(info)
-            if last_record.get("step") == step and (cfg.log_every or do_eval):
-                logger.log(last_record)
+    def close(self) -> None:
+        self.cache.close()
+        shutdown(self.info)
+
+    # --- the loop -----------------------------------------------------------------------------------
+
+    def fit(self) -> TrainResult:
+        """Stream, step, log, evaluate, checkpoint until the data or the step budget ends."""
+        cfg = self.cfg
+        logger = self._open_logger()
+        batches = self.loader.iterate()
+        loader_state = self.loader.state_dict()
+        window, record, last_saved, started = LogWindow(), {}, None, time.perf_counter()
+        try:
+            lookahead, wait = _timed_next(batches)  # one batch ahead, so the last step is known when it runs
+            while lookahead is not None and self.step < self.max_steps:
+                # --- take grad_accum micro-batches (time blocked on the loader is data wait)
+                micro: list[LoadedBatch] = []
+                while lookahead is not None and len(micro) < cfg.optim.grad_accum:
+                    micro.append(lookahead[0])
+                    loader_state = lookahead[1]
+                    lookahead, waited = _timed_next(batches)
+                    wait += waited
+                # --- step
+                step = self.train_step(micro)
+                window.add(step.loss_sum, step.weight_sum, step.tokens, wait)
+                wait = 0.0
+                last = self.step >= self.max_steps or lookahead is None
+                do_eval = cfg.eval_every > 0 and (self.step % cfg.eval_every == 0 or last)
+                logged = self.step % max(cfg.log_every, 1) == 0 or last or do_eval
+                saving = bool(cfg.save_every and self.step % cfg.save_every == 0) or last
+                if logged or saving:
+                    self.guard.check()  # synced with the log; before any checkpoint or export is written
+                # --- log (one small all-reduce on log steps)
+                if logged:
+                    record = {
+                        "step": self.step,
+                        "epoch": micro[-1].epoch,
+                        "lr": step.lr,
+                        "grad_norm": float(step.grad_norm),
+                        "skipped_shards": len(self.loader.bad_shards),  # every rank plans over every shard
+                        **window.record(
+                            self._reduce_sum, self.info.world_size, loader_state["skipped_samples"]
+                        ),
+                    }
+                # --- evaluate (rank 0; the others wait at the barrier)
                 if do_eval:
-                    logger.refresh_plots()
-            rate = step / max(time.perf_counter() - started, 1e-9)
-            logger.progress(
-                step,
-                {
-                    "ep": micro[-1].epoch,
-                    "loss": f"{last_record.get('loss', float('nan')):.3f}",
-                    "tau": f"{last_tau if last_tau is not None else float('nan'):.2f}",
-                    "tok/s": f"{last_record.get('tokens_per_s', 0):.0f}",
-                    "wait": f"{100 * last_record.get('data_wait_frac', 0):.0f}%",
-                    "eta": format_eta((min(total_steps, max_steps) - step) / max(rate, 1e-9)),
-                },
-            )
-            # --- checkpoint (rank 0 writes; the others wait so nobody races ahead of a slow disk)
-            if (cfg.save_every and step % cfg.save_every == 0) or last_step:
-                if info.is_main:
-                    last_saved = save(
-                        run_dir / ckpt.CHECKPOINT_DIR / ckpt.step_dir_name(step), loader_state, {}
-                    )
-                    ckpt.prune_checkpoints(run_dir, cfg.keep_checkpoints)
-                barrier(info)
-            if logged:  # throughput windows exclude evaluation and checkpoint time
-                window_start = time.perf_counter()
-    finally:
-        batches.close()
-        logger.close()
+                    record = {**record, **self._evaluate_and_keep_best(loader_state)}
+                if record.get("step") == self.step and (cfg.log_every or do_eval):
+                    logger.log(record)
+                    if do_eval:
+                        logger.refresh_plots()
+                logger.show_step(
+                    self.step, self.planned_steps, record, micro[-1].epoch, self.last_tau, started
+                )
+                # --- checkpoint (rank 0 writes; the others wait so nobody races ahead of a slow disk)
+                if saving:
+                    last_saved = self._save_step(loader_state) or last_saved
+                if logged:  # throughput windows exclude evaluation and checkpoint time
+                    window = LogWindow()
+        finally:
+            batches.close()  # joins the loader's threads before `close` closes the cache
+            logger.close()
+        self._report_skips(loader_state)
+        return TrainResult(self.step, self.run_dir, last_saved, self.best_tau, record)
 
-    # --- close -------------------------------------------------------------------------------------------
-    if loader.bad_shards or loader_state["skipped_samples"]:
-        log.warning(
-            "skipped %d corrupt samples and %d unreadable shards (%s)",
-            loader_state["skipped_samples"],
-            len(loader.bad_shards),
-            ", ".join(sorted(loader.bad_shards)) or "none",
+    def _open_logger(self) -> MetricsLogger:
+        cfg, info = self.cfg, self.info
+        logger = MetricsLogger(
+            self.run_dir,
+            enabled=info.is_main,
+            start_step=self.step,
+            total_steps=self.planned_steps,
+            tensorboard=cfg.tensorboard,
+            plots=cfg.plots,
+            progress=cfg.progress,
         )
-    cache.close()
-    shutdown(info)
-    return TrainResult(
-        step=step, run_dir=run_dir, last_checkpoint=last_saved, best_tau=best_tau, final_metrics=last_record
-    )
+        if info.is_main:
+            # For people to read; checkpoints' meta.json is what a resume trusts.
+            atomic_write_json(self.run_dir / "config.json", cfg.to_flat())
+            logger.write(
+                f"dflash-train: {self.model.num_parameters() / 1e6:.1f}M drafter params, layers "
+                f"{list(self.drafter_cfg.target_layer_ids)}, {self.cache.manifest.rows} cached rows, "
+                f"~{self.total_steps} steps, world {info.world_size}, "
+                f"{'resuming at step ' + str(self.step) if self.step else 'from scratch'}"
+            )
+        return logger
+
+    def _evaluate_and_keep_best(self, loader_state: dict[str, Any]) -> dict[str, Any]:
+        """Evaluate on rank 0; a new best tau writes RUN/best and RUN/export."""
+        result: dict[str, Any] = {}
+        if self.info.is_main:
+            result = self.evaluate()
+            tau = result.get("tau")
+            self.last_tau = tau if tau is not None else self.last_tau
+            if tau is not None and (self.best_tau is None or tau > self.best_tau):
+                self.best_tau = tau
+                self.save(self.run_dir / ckpt.BEST_DIR, loader_state, {"eval": result}, weights_only=True)
+                export_drafter(self.model, self.drafter_cfg, self.run_dir / EXPORT_DIR)
+        barrier(self.info)
+        return result
+
+    def _save_step(self, loader_state: dict[str, Any]) -> Path | None:
+        """RUN/checkpoints/step_N (every rank calls it: the skip count is summed over ranks first)."""
+        skipped = all_reduce_sum([float(loader_state["skipped_samples"])], self.info)[0]
+        saved = None
+        if self.info.is_main:
+            state = {**loader_state, "skipped_samples": int(skipped)}
+            saved = self.save(self.run_dir / ckpt.CHECKPOINT_DIR / ckpt.step_dir_name(self.step), state)
+            ckpt.prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
+        barrier(self.info)
+        return saved
+
+    def _reduce_sum(self, values: list[float]) -> list[float]:
+        return all_reduce_sum(values, self.info)
+
+    def _report_skips(self, loader_state: dict[str, Any]) -> None:
+        bad = self.loader.bad_shards
+        if bad or loader_state["skipped_samples"]:
+            log.warning(
+                "rank %d skipped %d corrupt samples and %d unreadable shards (%s)",
+                self.info.rank,
+                loader_state["skipped_samples"],
+                len(bad),
+                ", ".join(sorted(bad)) or "none",
+            )
 
 
-def _read_eval_rows(path: str | None) -> frozenset[int]:
-    """Row ids held out explicitly: a JSON list or one integer per line."""
-    if not path:
-        return frozenset()
-    text = Path(path).read_text().strip()
+def _timed_next(batches: Iterator[Any]) -> tuple[Any, float]:
+    t = time.perf_counter()
+    item = next(batches, None)
+    return item, time.perf_counter() - t
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Build, resume (with `--resume`), train, close: the whole of `dflash-train`."""
+    trainer = Trainer.build(cfg)
     try:
-        rows = json.loads(text) if text.startswith("[") else [int(x) for x in text.split()]
-        return frozenset(int(r) for r in rows)
-    except ValueError:
-        raise ValueError(
-            f"--eval-rows {path}: expected a JSON list of row ids or one integer per line"
-        ) from None
-
-
-def config_of_checkpoint(path: str | Path) -> TrainConfig:
-    """The TrainConfig a checkpoint was written with (from its meta.json)."""
-    return config_from_flat(ckpt.read_json(Path(path) / "meta.json")["config"])
+        trainer.resume()
+        return trainer.fit()
+    finally:
+        trainer.close()

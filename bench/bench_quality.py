@@ -1,0 +1,608 @@
+"""Drafter quality on a target whose outputs mean something: is the drafter better than copying?
+
+    python bench/bench_quality.py --quick                    # one H200, < 10 min: one seed
+    python bench/bench_quality.py --size full                # three seeds (fp8 vs lossless spread)
+    python bench/bench_quality.py --size ci --device cpu     # seconds: every phase, tiny (CI runs this)
+    python bench/bench_quality.py --size cpu --device cpu    # the development box: a real but small signal
+
+Phases (each kept in --work and skipped when its output exists, so a cut-off run resumes where it stopped):
+1. target: a byte-level BPE and a small Qwen3 LM trained on Python sources (`quality_data`), saved in bf16
+   with tied embeddings like released Qwen3-0.6B/1.7B/4B checkpoints;
+2. data: prompts cut from training files and from held-out files, the target's greedy continuations
+   (what DFlash trains on: target-regenerated data) -> one Arrow file + the evaluation row ids;
+3. caches: the real `dflash-extract` CLI per codec;
+4. runs: the real `dflash-train` CLI (several at once on a GPU: small drafters leave it mostly idle), for
+   every codec x seed on all training rows and, for the learning curve, on fractions of them; then
+   `dflash-train export`;
+5. evaluation, all on the same held-out rows: tau by sampled anchors and by the decode walk for the untrained
+   drafter, every exported drafter, and prompt lookup (vLLM's `ngram`: n <= 4, k = B - 1).
+Prints one table and writes `--work/quality.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.quality_data import (
+    PAD,
+    DataSpec,
+    TargetSpec,
+    build_tokenizer,
+    cut_prompts,
+    greedy_continuations,
+    read_corpus,
+    tokenize_files,
+    train_target,
+    write_rows,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DrafterRecipe:
+    """The `dflash-train` flags every run of a size shares (`--train-args` appends more)."""
+
+    layers: int
+    block_size: int
+    num_anchors: int
+    token_budget: int
+    steps: int
+    lr: float
+    eval_points: int = 4  # evaluations along the full-data run: the tau-vs-steps curve
+    extra: tuple[str, ...] = ()
+
+    def flags(self) -> list[str]:
+        return [
+            "--num-draft-layers", str(self.layers),
+            "--block-size", str(self.block_size),
+            "--num-anchors", str(self.num_anchors),
+            "--token-budget", str(self.token_budget),
+            "--max-length", str(self.token_budget),
+            "--lr", str(self.lr),
+            "--max-steps", str(self.steps),
+            "--epochs", "1000",
+            *self.extra,
+        ]  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Size:
+    target: TargetSpec
+    data: DataSpec
+    drafter: DrafterRecipe
+    seeds: int = 1
+    fractions: tuple[float, ...] = (0.25, 0.5, 1.0)  # of the training rows, for tau vs data size
+    parallel_runs: int = 1
+
+
+SIZES: dict[str, Size] = {
+    # Every phase in seconds on a CPU: checks the benchmark, not the drafter.
+    "ci": Size(
+        target=TargetSpec(
+            vocab=384,
+            hidden=48,
+            layers=4,
+            heads=4,
+            kv_heads=2,
+            intermediate=96,
+            seq_len=64,
+            batch=8,
+            steps=40,
+            lr=3e-3,
+            corpus_mb=1.0,
+            bpe_mb=0.3,
+        ),
+        data=DataSpec(train_rows=48, eval_rows=12, prompt_min=24, prompt_max=40, new_tokens=24, gen_batch=64),
+        drafter=DrafterRecipe(
+            layers=1, block_size=8, num_anchors=16, token_budget=256, steps=12, lr=3e-3, eval_points=2
+        ),
+        fractions=(0.5, 1.0),
+    ),
+    # The development box (one effective core): ~15 min, a small but real signal.
+    "cpu": Size(
+        target=TargetSpec(
+            vocab=1024,
+            hidden=128,
+            layers=6,
+            heads=4,
+            kv_heads=2,
+            intermediate=384,
+            seq_len=128,
+            batch=16,
+            steps=1500,
+            lr=3e-3,
+            corpus_mb=12,
+            bpe_mb=3,
+        ),
+        data=DataSpec(
+            train_rows=3000, eval_rows=100, prompt_min=64, prompt_max=128, new_tokens=96, gen_batch=256
+        ),
+        drafter=DrafterRecipe(layers=2, block_size=8, num_anchors=64, token_budget=1024, steps=1500, lr=3e-3),
+        fractions=(0.25, 1.0),
+    ),
+    # One H200 inside one 10-minute call.
+    "quick": Size(
+        target=TargetSpec(
+            vocab=4096,
+            hidden=384,
+            layers=8,
+            heads=6,
+            kv_heads=2,
+            intermediate=1152,
+            seq_len=512,
+            batch=64,
+            steps=2500,
+            lr=2e-3,
+            corpus_mb=120,
+            bpe_mb=16,
+        ),
+        data=DataSpec(
+            train_rows=16384, eval_rows=256, prompt_min=64, prompt_max=192, new_tokens=192, gen_batch=1024
+        ),
+        drafter=DrafterRecipe(
+            layers=3, block_size=16, num_anchors=512, token_budget=8192, steps=1500, lr=2e-3, eval_points=3
+        ),
+        parallel_runs=8,
+    ),
+}
+SIZES["full"] = replace(SIZES["quick"], seeds=3)
+
+CODECS_DEFAULT = ("lossless", "fp8")
+
+
+@dataclass(kw_only=True, slots=True)
+class Run:
+    """One `dflash-train` run: recipe variant x codec x training-row fraction x seed."""
+
+    variant: str
+    flags: tuple[str, ...]  # the variant's dflash-train flags, after the size's recipe
+    codec: str
+    fraction: float
+    seed: int
+    dir: Path
+    curve: bool  # the run that evaluates along the way (full data, first seed)
+    result: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}-{self.codec}-f{self.fraction:g}-s{self.seed}"
+
+
+# --- phases -------------------------------------------------------------------------------------------
+
+
+def _python(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def _call(cmd: list[str], log: Path) -> float:
+    start = time.perf_counter()
+    with log.open("w") as f:
+        done = subprocess.run(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    if done.returncode:
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        raise RuntimeError(
+            f"{' '.join(cmd[2:4])} failed (exit {done.returncode}); {log}:\n  " + "\n  ".join(tail)
+        )
+    return time.perf_counter() - start
+
+
+def phase_target(work: Path, size: Size, device: str, seed: int) -> tuple[dict[str, Any], Any, list, list]:
+    """Tokenizer + target LM (trained once), and the tokenized train / held-out files (kept as .npy)."""
+    from transformers import AutoTokenizer
+
+    target, tokens = work / "target", work / "tokens"
+    done = target / "bench_target.json"
+    if (tokens / "corpus.json").is_file():
+        corpus = json.loads((tokens / "corpus.json").read_text())
+        tokenizer = AutoTokenizer.from_pretrained(str(target))
+        train_files, held_files = (
+            _load_files(tokens / f"{split}.npy", corpus[split]) for split in ("train", "heldout")
+        )
+    else:
+        train_texts, held_texts, corpus = read_corpus(int(size.target.corpus_mb * 2**20), seed)
+        target.mkdir(parents=True, exist_ok=True)
+        if (target / "tokenizer.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(str(target))
+        else:
+            tokenizer = build_tokenizer(
+                train_texts, size.target.vocab, target, int(size.target.bpe_mb * 2**20)
+            )
+        train_files, held_files = (
+            tokenize_files(tokenizer, train_texts),
+            tokenize_files(tokenizer, held_texts),
+        )
+        tokens.mkdir(exist_ok=True)
+        for split, files in (("train", train_files), ("heldout", held_files)):
+            np.save(tokens / f"{split}.npy", np.concatenate(files), allow_pickle=False)
+            corpus[split] = [len(f) for f in files]
+        (tokens / "corpus.json").write_text(json.dumps(corpus))
+    if done.is_file():
+        info = json.loads(done.read_text())
+    else:
+        info = train_target(size.target, tokenizer, train_files, target, device, seed)
+    info["corpus"] = {"files": corpus["files"], "bytes": corpus["bytes"], "train_tokens": sum(corpus["train"]),
+                      "heldout_tokens": sum(corpus["heldout"])}  # fmt: skip
+    return info, tokenizer, train_files, held_files
+
+
+def _load_files(path: Path, lengths: list[int]) -> list[np.ndarray]:
+    flat = np.load(path, allow_pickle=False)
+    return np.split(flat, np.cumsum(lengths)[:-1])
+
+
+def phase_data(work: Path, size: Size, tokenizer: Any, train_files: list, held_files: list, device: str,
+               seed: int) -> dict[str, Any]:  # fmt: skip
+    data = work / "data"
+    rows_path, meta_path = data / "rows.arrow", data / "rows.json"
+    if meta_path.is_file():
+        return json.loads(meta_path.read_text())
+    rng = np.random.default_rng(seed + 1)
+    spec = size.data
+    prompts = cut_prompts(train_files, spec.train_rows, spec, rng) + cut_prompts(
+        held_files, spec.eval_rows, spec, rng
+    )
+    start = time.perf_counter()
+    answers = greedy_continuations(
+        work / "target", prompts, spec, tokenizer.convert_tokens_to_ids(PAD), device
+    )
+    seconds = time.perf_counter() - start
+    write_rows(rows_path, prompts, answers)
+    meta = {
+        "rows": len(prompts),
+        "train_rows": spec.train_rows,
+        "eval_rows": list(range(spec.train_rows, spec.train_rows + spec.eval_rows)),
+        "tokens": int(sum(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))),
+        "generate_seconds": round(seconds, 1),
+    }
+    meta_path.write_text(json.dumps(meta) + "\n")
+    return meta
+
+
+def phase_cache(work: Path, codec: str, device: str) -> tuple[Path, float]:
+    cache = work / f"cache-{codec}"
+    if (cache / "manifest.json").is_file() and json.loads((cache / "manifest.json").read_text()).get(
+        "complete"
+    ):
+        return cache, 0.0
+    cmd = _python("dflash.extract.cli", "--target", str(work / "target"), "--dataset", str(work / "data" / "rows.arrow"),
+                  "--out", str(cache), "--codec", codec, "--layers", "all", "--device", device, "--no-compile")  # fmt: skip
+    if device == "cpu":
+        cmd += ["--dtype", "float32"]
+    return cache, _call(cmd, work / f"extract-{codec}.log")
+
+
+def run_flags(
+    run: Run, work: Path, size: Size, meta: dict[str, Any], device: str, extra: list[str]
+) -> list[str]:
+    """The `dflash-train` command line of one run. Held-out rows = evaluation rows, plus the training rows a
+    fraction leaves out (held-out rows never train)."""
+    eval_rows = set(meta["eval_rows"])
+    keep = round(run.fraction * meta["train_rows"])
+    skipped = set(range(keep, meta["train_rows"]))
+    rows_file = run.dir.parent / f"heldout-{run.fraction:g}.json"
+    rows_file.write_text(json.dumps(sorted(eval_rows | skipped)))
+    recipe = size.drafter
+    eval_every = max(1, recipe.steps // recipe.eval_points) if run.curve else 0
+    return [
+        "--cache", str(work / f"cache-{run.codec}"), "--out", str(run.dir), "--seed", str(run.seed),
+        "--device", device, "--eval-rows", str(rows_file), "--eval-fraction", "0",
+        "--eval-samples", str(len(eval_rows)), "--eval-every", str(eval_every), "--save-every", "0",
+        "--log-every", "50", "--no-tensorboard", "--no-plots", "--no-progress",
+        *recipe.flags(), *extra, *run.flags,
+    ]  # fmt: skip
+
+
+def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: str, extra: list[str]) -> Run:
+    export = run.dir / "final"
+    if not (export / "config.json").is_file():
+        if run.dir.exists():  # a run cut off earlier: start it again (runs are minutes)
+            import shutil
+
+            shutil.rmtree(run.dir)
+        run.dir.parent.mkdir(parents=True, exist_ok=True)
+        seconds = _call(_python("dflash.train.cli", *run_flags(run, work, size, meta, device, extra)),
+                        run.dir.parent / f"{run.name}.log")  # fmt: skip
+        _call(_python("dflash.train.cli", "export", str(run.dir), "--out", str(export)),
+              run.dir.parent / f"{run.name}-export.log")  # fmt: skip
+        (run.dir / "bench_seconds.json").write_text(json.dumps({"train_seconds": round(seconds, 1)}))
+    run.result["train_seconds"] = json.loads((run.dir / "bench_seconds.json").read_text())["train_seconds"]
+    run.result["curve"] = [
+        {k: r[k] for k in ("step", "tau", "tau_walk", "eval_loss") if k in r}
+        for r in map(json.loads, (run.dir / "metrics.jsonl").read_text().splitlines())
+        if "tau" in r
+    ]
+    return run
+
+
+# --- evaluation ---------------------------------------------------------------------------------------
+
+
+def evaluate_all(
+    work: Path, size: Size, meta: dict[str, Any], runs: list[Run], device: str
+) -> dict[str, Any]:
+    """Every drafter and prompt lookup on the same held-out rows and anchors (the trainer's evaluation)."""
+    import torch
+    from dflash.shards import Cache
+    from dflash.train.acceptance import decode_walk, walk_tau
+    from dflash.train.config import default_gamma
+    from dflash.train.data_spec import DataSpec
+    from dflash.train.evaluate import build_eval_set, evaluate
+    from dflash.train.export import load_drafter
+    from dflash.train.frozen import load_frozen_target
+    from dflash.train.lookup import lookup_accepted
+    from dflash.train.model import DFlashDrafter
+
+    recipe = size.drafter
+    dev = torch.device(device)
+    rows = frozenset(meta["eval_rows"])
+    out: dict[str, Any] = {}
+    with Cache.open(work / f"cache-{runs[0].codec}") as cache:
+        frozen = load_frozen_target(cache.path).to(device=dev, dtype=torch.float32)
+
+        def spec_of(drafter: DFlashDrafter) -> DataSpec:
+            c = drafter.config
+            return DataSpec(layer_ids=c.target_layer_ids, block_size=c.block_size, mask_token_id=c.mask_token_id,
+                            num_anchors=recipe.num_anchors, gamma=default_gamma(c.block_size),
+                            token_budget=recipe.token_budget, max_length=recipe.token_budget,
+                            heldout_rows=rows, eval_samples=len(rows))  # fmt: skip
+
+        def score(drafter: DFlashDrafter) -> dict[str, Any]:
+            spec = spec_of(drafter)
+            result = evaluate(drafter.to(device=dev, dtype=torch.float32), frozen, cache,
+                              build_eval_set(cache, spec), spec, device=dev)  # fmt: skip
+            keep = ("tau", "tau_walk", "eval_loss", "eval_samples", "acceptance_per_position")
+            return {k: result[k] for k in keep if k in result}
+
+        first = load_drafter(runs[0].dir / "final")
+        # Prompt lookup on exactly the rows the drafters are evaluated on.
+        eval_set = build_eval_set(cache, spec_of(first))
+        walk, sampled = [], []
+        for batch in eval_set.batches:
+            for ref in batch:
+                sample = cache.shard(ref.shard).read(ref.index, [cache.layers[0]])
+                ids, mask = sample.input_ids.numpy(), sample.loss_mask.numpy()
+                accepted = lookup_accepted(ids, mask, recipe.block_size - 1)
+                walk += decode_walk(torch.from_numpy(accepted), sample.loss_mask)
+                sampled += (accepted[accepted >= 0] + 1).tolist()
+        out["prompt_lookup"] = {"tau": float(np.mean(sampled)), "tau_walk": walk_tau(walk),
+                                "eval_samples": eval_set.num_samples}  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            out["untrained"] = score(DFlashDrafter(first.config))
+        for run in runs:
+            run.result.update(score(load_drafter(run.dir / "final")))
+    return out
+
+
+# --- report -------------------------------------------------------------------------------------------
+
+
+def summarize(runs: list[Run], base: dict[str, Any]) -> list[dict[str, Any]]:
+    """One table row per (codec, fraction): mean and spread over seeds."""
+    rows = []
+    for key in sorted({(r.variant, r.codec, r.fraction) for r in runs}, key=lambda k: (k[0], k[1], -k[2])):
+        group = [r for r in runs if (r.variant, r.codec, r.fraction) == key and "tau" in r.result]
+        if not group:
+            rows.append({"drafter": f"{key[0]}: {key[1]}, {key[2]:.0%} rows", "failed": True})
+            continue
+        taus = np.array([r.result["tau"] for r in group])
+        walks = np.array([r.result["tau_walk"] for r in group])
+        rows.append({
+            "drafter": f"{key[0]}: {key[1]}, {key[2]:.0%} rows", "seeds": len(group),
+            "tau": float(taus.mean()), "tau_spread": float(taus.max() - taus.min()),
+            "tau_walk": float(walks.mean()), "tau_walk_spread": float(walks.max() - walks.min()),
+            "vs_lookup": float(walks.mean() / base["prompt_lookup"]["tau_walk"]),
+            "train_s": float(np.mean([r.result["train_seconds"] for r in group])),
+        })  # fmt: skip
+    return rows
+
+
+def print_table(report: dict[str, Any]) -> None:
+    base = report["baselines"]
+    print(f"\nheld-out rows: {base['prompt_lookup']['eval_samples']} (from files no model trained on); "
+          f"block size {report['size']['drafter']['block_size']}")  # fmt: skip
+    print(
+        f"{'drafter':<34} {'seeds':>5} {'tau (anchors)':>16} {'tau (walk)':>16} {'walk/lookup':>11} {'train s':>8}"
+    )
+    lookup = base["prompt_lookup"]
+    print(
+        f"{'prompt lookup (n<=4)':<34} {'-':>5} {lookup['tau']:>16.3f} {lookup['tau_walk']:>16.3f} {1.0:>11.2f} {'-':>8}"
+    )
+    untrained = base["untrained"]
+    print(f"{'untrained drafter':<34} {'-':>5} {untrained['tau']:>16.3f} {untrained['tau_walk']:>16.3f} "
+          f"{untrained['tau_walk'] / lookup['tau_walk']:>11.2f} {'-':>8}")  # fmt: skip
+    for row in report["table"]:
+        if row.get("failed"):
+            print(f"{row['drafter']:<34} FAILED (see its log under --work)")
+            continue
+        print(f"{row['drafter']:<34} {row['seeds']:>5} {row['tau']:>9.3f} ±{row['tau_spread']:<5.3f} "
+              f"{row['tau_walk']:>9.3f} ±{row['tau_walk_spread']:<5.3f} {row['vs_lookup']:>11.2f} {row['train_s']:>8.0f}")  # fmt: skip
+    for curve in report["curves"]:
+        points = ", ".join(
+            f"{p['step']}: {p['tau']:.2f}/{p.get('tau_walk', float('nan')):.2f}" for p in curve["points"]
+        )
+        print(f"tau/tau_walk vs steps ({curve['run']}): {points}")
+    print("phases (s): " + ", ".join(f"{k} {v:.0f}" for k, v in report["seconds"].items()))
+
+
+def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
+    """`"base=;lr=--lr 2e-3"` -> {"base": (), "lr": ("--lr", "2e-3")}: recipe variants trained side by side."""
+    variants: dict[str, tuple[str, ...]] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, flags = part.partition("=")
+        if not name.strip() or "/" in name:
+            raise ValueError(f"--variants: bad variant name in {part!r}")
+        variants[name.strip()] = tuple(flags.split())
+    return variants or {"base": ()}
+
+
+def plan_runs(root: Path, size: Size, codecs: list[str], variants: dict[str, tuple[str, ...]]) -> list[Run]:
+    """Every variant x codec x seed on all training rows; the data-size curve for the first variant, codec and
+    seed; the first of those also evaluates along the way (tau vs steps)."""
+    runs = []
+    for v, flags in variants.items():
+        for s in range(size.seeds):
+            for c in codecs:
+                for f in size.fractions:
+                    if f != 1.0 and (s, c, v) != (0, codecs[0], next(iter(variants))):
+                        continue
+                    run = Run(
+                        variant=v,
+                        flags=flags,
+                        codec=c,
+                        fraction=f,
+                        seed=s,
+                        dir=root,
+                        curve=f == 1.0 and s == 0,
+                    )
+                    run.dir = root / run.name
+                    runs.append(run)
+    return runs
+
+
+def pack(work: Path, dest: Path, part_bytes: int = 15 * 2**20) -> list[Path]:
+    """target/ and data/ as tar parts small enough to travel back from a GPU machine."""
+    import tarfile
+
+    dest.mkdir(parents=True, exist_ok=True)
+    tar_path = dest / "quality-work.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        for name in ("target", "data"):
+            tar.add(work / name, arcname=name)
+    blob = tar_path.read_bytes()
+    tar_path.unlink()
+    parts = []
+    for i in range(0, len(blob), part_bytes):
+        part = dest / f"quality-work.tar.{i // part_bytes:02d}"
+        part.write_bytes(blob[i : i + part_bytes])
+        parts.append(part)
+    return parts
+
+
+def unpack(src: Path, work: Path) -> bool:
+    """The inverse of `pack` (no-op when target/ is already there or no parts exist)."""
+    import io
+    import tarfile
+
+    parts = sorted(src.glob("quality-work.tar.*"))
+    if (work / "target").exists() or not parts:
+        return False
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
+        tar.extractall(work, filter="data")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(SIZES), default="quick")
+    p.add_argument("--quick", action="store_true", help="--size quick (one seed)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--work", default=".bench/quality", help="phase outputs (reused when present)")
+    p.add_argument("--codecs", default=",".join(CODECS_DEFAULT))
+    p.add_argument("--seeds", type=int, help="override the size's seed count")
+    p.add_argument("--fractions", help="comma-separated fractions of the training rows (default: the size's)")
+    p.add_argument(
+        "--runs-dir", default="runs", help="subfolder of --work for the training runs (an experiment name)"
+    )
+    p.add_argument("--parallel", type=int, help="training runs at once (default: the size's)")
+    p.add_argument("--train-args", default="", help="extra dflash-train flags for every run")
+    p.add_argument(
+        "--variants", default="", help='recipes side by side: "name=FLAGS;name2=FLAGS" (default: one)'
+    )
+    p.add_argument("--steps", type=int, help="override the recipe's training steps")
+    p.add_argument("--seed", type=int, default=0, help="seed of the target and data")
+    p.add_argument(
+        "--pack", help="write target/ and data/ as tar parts here (to carry them to another machine)"
+    )
+    p.add_argument("--unpack", help="start from tar parts written by --pack")
+    p.add_argument("--stop-after", choices=("data", "extract"), help="end after this phase")
+    p.add_argument("--json", help="also write the report here")
+    args = p.parse_args(argv)
+    size = SIZES["quick" if args.quick else args.size]
+    if args.seeds:
+        size = replace(size, seeds=args.seeds)
+    if args.fractions:
+        size = replace(size, fractions=tuple(float(f) for f in args.fractions.split(",")))
+    if args.steps:
+        size = replace(size, drafter=replace(size.drafter, steps=args.steps))
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.unpack and unpack(Path(args.unpack), work):
+        print(f"unpacked target/ and data/ from {args.unpack}", flush=True)
+    seconds: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        t = time.perf_counter()
+        value = fn()
+        seconds[name] = round(time.perf_counter() - t, 1)
+        print(f"[{name}] {seconds[name]:.0f} s", flush=True)
+        return value
+
+    info, tokenizer, train_files, held_files = timed(
+        "target", lambda: phase_target(work, size, args.device, args.seed)
+    )
+    meta = timed(
+        "data", lambda: phase_data(work, size, tokenizer, train_files, held_files, args.device, args.seed)
+    )
+    if args.pack:
+        print(f"packed: {[str(x) for x in pack(work, Path(args.pack))]}", flush=True)
+    codecs = args.codecs.split(",")
+    if args.stop_after == "data":
+        return 0
+    timed("extract", lambda: [phase_cache(work, codec, args.device) for codec in codecs])
+    if args.stop_after == "extract":
+        return 0
+    runs = plan_runs(work / args.runs_dir, size, codecs, parse_variants(args.variants))
+    extra = args.train_args.split()
+
+    def train_one(run: Run) -> Run:
+        try:
+            phase_run(run, work, size, meta, args.device, extra)
+            print(f"[run] {run.name} done ({run.result['train_seconds']:.0f} s)", flush=True)
+        except Exception as exc:  # one failed recipe must not cost the others
+            run.result["error"] = str(exc)
+            print(f"[run] {run.name} FAILED: {exc}", flush=True)
+        return run
+
+    with ThreadPoolExecutor(args.parallel or size.parallel_runs) as pool:
+        runs = timed("train", lambda: list(pool.map(train_one, runs)))
+    good = [r for r in runs if "error" not in r.result]
+    baselines = timed("evaluate", lambda: evaluate_all(work, size, meta, good, args.device)) if good else {}
+    report = {
+        "size": asdict(size),
+        "target": info,
+        "data": {k: v for k, v in meta.items() if k != "eval_rows"},
+        "baselines": baselines,
+        "table": summarize(runs, baselines) if good else [],
+        "curves": [{"run": r.name, "points": r.result["curve"]} for r in good if r.curve],
+        "runs": [{"run": r.name, "flags": list(r.flags), **r.result} for r in runs],
+        "train_args": args.train_args,
+        "seconds": seconds,
+    }
+    (work / args.runs_dir / "quality.json").write_text(json.dumps(report, indent=1) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"target: {info['params'] / 1e6:.1f}M params, LM loss {info['first_loss']:.2f} -> {info['final_loss']:.2f} "
+          f"({info['train_tokens'] / 1e6:.1f}M tokens, {info['seconds']:.0f} s); data: {meta['rows']} rows, "
+          f"{meta['tokens'] / 1e6:.2f}M tokens")  # fmt: skip
+    if good:
+        print_table(report)
+    return 0 if len(good) == len(runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""The quality benchmark's target and data: a small Qwen3 LM trained here on Python sources, and its greedy
+continuations as the drafter's training and evaluation rows.
+
+Nothing is downloaded: the corpus is the `.py` files of the standard library and of packages installed on
+every machine that runs dflash (torch, transformers). Files are split by a hash of their relative path, so
+evaluation prompts come from files the target and the drafter never trained on. The target is saved the way
+released small Qwen3 checkpoints are (bf16 safetensors, tied embeddings, embedding rows padded past the
+tokenizer), so the benchmark also exercises that layout end to end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PAD = "<|endoftext|>"
+CORPUS_PACKAGES = ("torch", "transformers")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TargetSpec:
+    """The target LM and how long it trains."""
+
+    vocab: int  # BPE vocabulary (the embedding table is padded past it: the mask token's row)
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    seq_len: int
+    batch: int
+    steps: int
+    lr: float
+    corpus_mb: float  # text read from the source files (train + held-out)
+    bpe_mb: float  # of which the tokenizer learns from
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataSpec:
+    """Greedy continuations: prompts cut from files, the target's answers supervised."""
+
+    train_rows: int
+    eval_rows: int
+    prompt_min: int
+    prompt_max: int
+    new_tokens: int
+    gen_batch: int
+
+
+# --- corpus -------------------------------------------------------------------------------------------
+
+
+def source_files() -> list[tuple[str, Path]]:
+    """(stable name, path) of every .py file of the stdlib and CORPUS_PACKAGES, sorted by name."""
+    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
+    for name in CORPUS_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            roots.append((name, Path(next(iter(spec.submodule_search_locations)))))
+    files = []
+    for label, root in roots:
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root).as_posix()
+            if label == "stdlib" and rel.split("/")[0] in ("site-packages", "dist-packages"):
+                continue
+            files.append((f"{label}/{rel}", path))
+    return sorted(files)
+
+
+def is_heldout(name: str, fraction: float = 0.1) -> bool:
+    """A file's split depends on its name only: the same file is held out on every machine."""
+    digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+    return digest / 2**64 < fraction
+
+
+def read_corpus(max_bytes: int, seed: int) -> tuple[list[str], list[str], dict[str, Any]]:
+    """(train texts, held-out texts, stats): whole files in a seeded order until `max_bytes` are read."""
+    files = source_files()
+    order = np.random.default_rng(seed).permutation(len(files))
+    train, held, used = [], [], 0
+    for i in order:
+        name, path = files[i]
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) < 2000:  # __init__ stubs and tiny files: nothing to continue
+            continue
+        (held if is_heldout(name) else train).append(text)
+        used += len(text)
+        if used >= max_bytes:
+            break
+    stats = {"files": len(train) + len(held), "heldout_files": len(held), "bytes": used}
+    return train, held, stats
+
+
+# --- tokenizer and target ---------------------------------------------------------------------------------
+
+
+def build_tokenizer(texts: list[str], vocab: int, out: Path, max_bytes: int) -> Any:
+    """Byte-level BPE learned from the first `max_bytes` of `texts`, saved as an HF tokenizer in `out`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    sample, used = [], 0
+    for t in texts:
+        sample.append(t)
+        used += len(t)
+        if used >= max_bytes:
+            break
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=[PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(sample, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=PAD, pad_token=PAD)
+    tokenizer.save_pretrained(str(out))
+    return tokenizer
+
+
+def tokenize_files(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [np.asarray(ids, dtype=np.int32) for ids in encoded]
+
+
+def target_config(spec: TargetSpec, tokenizer: Any) -> Any:
+    from transformers import Qwen3Config
+
+    pad_id = tokenizer.convert_tokens_to_ids(PAD)
+    return Qwen3Config(
+        vocab_size=64 * math.ceil((len(tokenizer) + 1) / 64),  # >= 1 free row: the drafter's mask token
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.hidden // spec.heads,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        eos_token_id=pad_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+    )
+
+
+def train_target(
+    spec: TargetSpec, tokenizer: Any, files: list[np.ndarray], out: Path, device: str, seed: int
+) -> dict[str, Any]:
+    """Next-token training on random windows of the training files; saved in bf16 with tied embeddings."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    stream = np.concatenate(files)
+    rng = np.random.default_rng(seed)
+    config = target_config(spec, tokenizer)
+    model = Qwen3ForCausalLM(config).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda" or None
+    )
+    warmup = max(1, spec.steps // 20)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+    losses = []
+    start = time.perf_counter()
+    for step in range(spec.steps):
+        frac = min(1.0, (step + 1) / warmup)
+        progress = max(0.0, (step - warmup) / max(1, spec.steps - warmup))
+        for group in optimizer.param_groups:
+            group["lr"] = spec.lr * frac * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+        offsets = rng.integers(0, len(stream) - spec.seq_len - 1, spec.batch)
+        batch = torch.from_numpy(np.stack([stream[o : o + spec.seq_len] for o in offsets]).astype(np.int64))
+        batch = batch.to(device)
+        with autocast:
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 50 == 0 or step == spec.steps - 1:
+            losses.append((step, float(loss.detach())))
+    seconds = time.perf_counter() - start
+    model.eval()
+    model.generation_config.do_sample = False
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.to(torch.bfloat16).save_pretrained(str(out))  # bf16, tied: like Qwen3-0.6B/1.7B/4B on the Hub
+    info = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "train_tokens": spec.steps * spec.batch * spec.seq_len,
+        "first_loss": losses[0][1],
+        "final_loss": float(np.mean([v for _, v in losses[-3:]])),
+        "seconds": round(seconds, 1),
+        "spec": asdict(spec),
+    }
+    (out / "bench_target.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+# --- greedy continuations ---------------------------------------------------------------------------------
+
+
+def cut_prompts(
+    files: list[np.ndarray], n: int, spec: DataSpec, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """`n` prompts: random windows of random files (length uniform in [prompt_min, prompt_max])."""
+    usable = [f for f in files if len(f) > spec.prompt_max + 1]
+    if not usable:
+        raise ValueError("no source file is longer than prompt_max tokens")
+    weights = np.array([len(f) for f in usable], dtype=np.float64)
+    picks = rng.choice(len(usable), size=n, p=weights / weights.sum())
+    prompts = []
+    for i in picks:
+        f = usable[i]
+        length = int(rng.integers(spec.prompt_min, spec.prompt_max + 1))
+        start = int(rng.integers(0, len(f) - length))
+        prompts.append(f[start : start + length])
+    return prompts
+
+
+def greedy_continuations(
+    target_dir: Path, prompts: list[np.ndarray], spec: DataSpec, pad_id: int, device: str
+) -> list[np.ndarray]:
+    """The target's greedy continuation of each prompt (`new_tokens` tokens, batched, left-padded), run in
+    the dtype extraction will use (bf16 on CUDA), so the cached states are the ones that chose these tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()
+    out: list[np.ndarray] = []
+    order = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths share a batch
+    result: dict[int, np.ndarray] = {}
+    for begin in range(0, len(order), spec.gen_batch):
+        idx = order[begin : begin + spec.gen_batch]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            p = torch.from_numpy(prompts[i].astype(np.int64))
+            ids[row, width - len(p) :] = p
+            mask[row, width - len(p) :] = 1
+        with torch.inference_mode():
+            generated = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                do_sample=False,
+                max_new_tokens=spec.new_tokens,
+                min_new_tokens=spec.new_tokens,  # code has no end: every row gets the same budget
+                pad_token_id=pad_id,
+            )
+        new = generated[:, width:].cpu().numpy().astype(np.int32)
+        for row, i in enumerate(idx):
+            result[int(i)] = new[row]
+    out = [result[i] for i in range(len(prompts))]
+    return out
+
+
+def write_rows(path: Path, prompts: list[np.ndarray], answers: list[np.ndarray]) -> None:
+    """An Arrow IPC file `dflash-extract` reads: input_ids = prompt + answer, loss_mask on the answer."""
+    import pyarrow as pa
+
+    # uint16 when the vocabulary allows: half the bytes to carry between machines (dflash reads any int type)
+    vocab_max = max(int(max(p.max(), a.max())) for p, a in zip(prompts, answers, strict=True))
+    id_type = (np.uint16, pa.uint16()) if vocab_max < 2**16 else (np.int32, pa.int32())
+    ids = [np.concatenate([p, a]).astype(id_type[0]) for p, a in zip(prompts, answers, strict=True)]
+    masks = [
+        np.concatenate([np.zeros(len(p), np.int8), np.ones(len(a), np.int8)])
+        for p, a in zip(prompts, answers, strict=True)
+    ]
+    table = pa.table(
+        {
+            "input_ids": pa.array(ids, type=pa.list_(id_type[1])),
+            "loss_mask": pa.array(masks, type=pa.list_(pa.int8())),
+        }
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=4096)
+    tmp.replace(path)

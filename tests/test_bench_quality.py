@@ -1,0 +1,48 @@
+"""`bench/bench_quality.py --size ci`: every phase through the real CLIs (target LM -> greedy data -> extract
+-> train -> export -> evaluation on held-out files) on a CPU in seconds. Checks the benchmark, not the drafter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import bench_quality
+
+
+@pytest.mark.slow
+def test_ci_size_runs_every_phase_and_reports_on_heldout_rows(tmp_path: Path, capsys) -> None:
+    work = tmp_path / "q"
+    assert bench_quality.main(["--size", "ci", "--device", "cpu", "--work", str(work)]) == 0
+    report = json.loads((work / "runs" / "quality.json").read_text())
+    size = bench_quality.SIZES["ci"]
+    meta = json.loads((work / "data" / "rows.json").read_text())
+    # Evaluation rows come after the training rows and are held out of every run.
+    assert meta["eval_rows"] == list(range(size.data.train_rows, size.data.train_rows + size.data.eval_rows))
+    for fraction in size.fractions:
+        heldout = set(json.loads((work / "runs" / f"heldout-{fraction:g}.json").read_text()))
+        assert set(meta["eval_rows"]) <= heldout
+        assert len(heldout) == size.data.eval_rows + size.data.train_rows - round(
+            fraction * size.data.train_rows
+        )
+    base = report["baselines"]
+    b = size.drafter.block_size
+    assert base["prompt_lookup"]["eval_samples"] == size.data.eval_rows
+    assert 1.0 <= base["prompt_lookup"]["tau_walk"] <= b
+    # Untrained: random logits over the vocabulary accept (almost) nothing.
+    assert base["untrained"]["tau"] < 1.5
+    names = {r["run"] for r in report["runs"]}
+    assert names == {"base-lossless-f1-s0", "base-fp8-f1-s0", "base-lossless-f0.5-s0"}
+    for run in report["runs"]:
+        assert 1.0 <= run["tau"] <= b and 1.0 <= run["tau_walk"] <= b
+        assert run["eval_samples"] == size.data.eval_rows
+    curve = next(c for c in report["curves"] if c["run"] == "base-lossless-f1-s0")
+    assert [p["step"] for p in curve["points"]] == [6, 12]
+    assert "walk/lookup" in capsys.readouterr().out
+    # Every phase is reused on a second call: nothing is recomputed.
+    before = {p: p.stat().st_mtime_ns for p in (work / "runs" / "base-lossless-f1-s0" / "final").iterdir()}
+    assert bench_quality.main(["--size", "ci", "--device", "cpu", "--work", str(work)]) == 0
+    assert {
+        p: p.stat().st_mtime_ns for p in (work / "runs" / "base-lossless-f1-s0" / "final").iterdir()
+    } == before

@@ -1,0 +1,169 @@
+"""What the training loader and evaluation read from a cache and how they turn it into batches.
+
+`DataSpec` is the one set of settings both are configured from (built once per run by `for_run`), and
+the reading helpers below apply the run's `--on-corrupt` policy the same way for both: `fail` raises
+one line naming the shard or sample, `skip` hands the error back for the caller to count. A shard
+whose identity disagrees with the manifest (`Cache.shard`) is an unreadable shard like any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from dflash.shards import Cache, Sample
+from dflash.shards.errors import ShardError
+from dflash.shards.safe_io import load_json
+
+from .blocks import PackedBatch, make_packed_batch
+from .config import TrainConfig
+from .data_plan import SampleRef, ShardEntries
+
+if TYPE_CHECKING:
+    from .model import DrafterConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataSpec:
+    """Blocks (layers, size, mask token, anchors, loss decay), packing, held-out split, corrupt policy, and
+    the loader's threads and buffers. Evaluation reads the same fields and ignores the loader-only ones."""
+
+    layer_ids: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    num_anchors: int
+    gamma: float
+    token_budget: int
+    max_length: int
+    on_corrupt: str = "fail"
+    heldout_fraction: float = 0.0
+    heldout_rows: frozenset[int] = frozenset()
+    eval_samples: int = 128
+    seed: int = 0
+    attention: str = "auto"
+    # loader only
+    epochs: int = 1
+    shuffle_window: int = 1024
+    loader_threads: int = 4
+    prefetch_batches: int = 8
+    pad_blocks_to_multiple: int = 1
+    dequantize_on_device: bool | None = None  # fp8 stays fp8 until on the device (default: on CUDA)
+
+    def __post_init__(self) -> None:
+        if self.on_corrupt not in ("skip", "fail"):
+            raise ValueError(f"on_corrupt={self.on_corrupt!r}: choose skip or fail")
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
+
+    @classmethod
+    def for_run(
+        cls,
+        cfg: TrainConfig,
+        drafter_cfg: DrafterConfig,
+        heldout_rows: frozenset[int] = frozenset(),
+        **overrides: Any,
+    ) -> DataSpec:
+        """The spec a run with `cfg` trains and evaluates with; `overrides` replace single fields
+        (benchmarks use them, e.g. `loader_threads`)."""
+        spec = cls(
+            layer_ids=drafter_cfg.target_layer_ids,
+            block_size=drafter_cfg.block_size,
+            mask_token_id=drafter_cfg.mask_token_id,
+            num_anchors=cfg.drafter.num_anchors,
+            gamma=cfg.drafter.loss_gamma,
+            token_budget=cfg.data.token_budget,
+            max_length=cfg.data.max_length,
+            on_corrupt=cfg.data.on_corrupt,
+            heldout_fraction=cfg.data.eval_fraction,
+            heldout_rows=heldout_rows,
+            eval_samples=cfg.data.eval_samples,
+            seed=cfg.seed,
+            attention=cfg.attention,
+            epochs=cfg.optim.epochs,
+            shuffle_window=cfg.data.shuffle_window,
+            loader_threads=cfg.data.loader_threads,
+            prefetch_batches=cfg.data.prefetch_batches,
+        )
+        return dataclasses.replace(spec, **overrides)
+
+    def pack(
+        self,
+        samples: Sequence[Any],
+        *,
+        generator: torch.Generator | None = None,
+        anchors: Sequence[torch.Tensor] | None = None,
+        num_anchors: int | None = None,
+    ) -> PackedBatch:
+        """Blocks of `samples` with this spec's layers, block size, mask token and loss decay."""
+        return make_packed_batch(
+            samples,
+            block_size=self.block_size,
+            mask_token_id=self.mask_token_id,
+            num_anchors=self.num_anchors if num_anchors is None else num_anchors,
+            gamma=self.gamma,
+            generator=generator,
+            anchors=anchors,
+            layer_ids=self.layer_ids,
+            pad_blocks_to_multiple=self.pad_blocks_to_multiple,
+        )
+
+
+_NO_ENTRIES = ShardEntries(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+def shard_entries(cache: Cache, name: str, on_corrupt: str, bad_shards: dict[str, str]) -> ShardEntries:
+    """A shard's index for planning. An unreadable shard (or one that is not the manifest's) raises under
+    `fail`; under `skip` it is recorded in `bad_shards` (logged once) and contributes no samples."""
+    try:
+        entries = cache.shard(name).entries
+    except (ShardError, OSError) as exc:
+        if on_corrupt != "skip":
+            raise ShardError(f"{exc} (pass --on-corrupt skip to go on without this shard)") from None
+        if name not in bad_shards:
+            bad_shards[name] = str(exc)
+            log.warning("skipping shard %s: %s", name, exc)
+        return _NO_ENTRIES
+    return ShardEntries(
+        rows=np.fromiter((e.row for e in entries), np.int64, len(entries)),
+        lengths=np.fromiter((e.length for e in entries), np.int64, len(entries)),
+        supervised=np.fromiter((e.supervised for e in entries), np.int64, len(entries)),
+    )
+
+
+def read_sample(
+    cache: Cache, ref: SampleRef, spec: DataSpec, *, dequantize: bool = True
+) -> Sample | ShardError:
+    """The sample `ref` with the spec's layers, cut to `max_length` while decoding (the tokens past it are
+    never decompressed: --max-length bounds memory whatever length the index claims); under `skip` a
+    corrupt sample comes back as its error (the caller counts it), under `fail` it raises."""
+    try:
+        return cache.shard(ref.shard).read(
+            ref.index, spec.layer_ids, dequantize=dequantize, max_tokens=spec.max_length
+        )
+    except (ShardError, OSError) as exc:
+        if spec.on_corrupt != "skip":
+            raise ShardError(f"{exc} (pass --on-corrupt skip to drop corrupt samples)") from None
+        return exc if isinstance(exc, ShardError) else ShardError(f"row {ref.row}: {exc}")
+
+
+def read_eval_rows(path: str | Path | None) -> frozenset[int]:
+    """Row ids held out explicitly (`--eval-rows`): a JSON list or one integer per line."""
+    if not path:
+        return frozenset()
+    text = Path(path).read_text().strip()
+    try:
+        rows = (
+            load_json(text, f"--eval-rows {path}") if text.startswith("[") else [int(x) for x in text.split()]
+        )
+        return frozenset(int(r) for r in rows)
+    except (ValueError, TypeError, ShardError):
+        raise ValueError(
+            f"--eval-rows {path}: expected a JSON list of row ids or one integer per line"
+        ) from None

@@ -245,6 +245,12 @@ def main() -> None:
     p.add_argument("--train-seconds", type=float, default=None)
     p.add_argument("--loader-seconds", type=float, default=None)
     p.add_argument("--token-budget", type=int, default=None)
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="TrainConfig.compile (the drafter's compiled regions on CUDA); run twice for a warm Inductor cache",
+    )
     p.add_argument("--workdir", default=None, help="where caches and runs go (default: a temp dir, removed)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -289,6 +295,7 @@ def main() -> None:
                 plots=False,
                 mask_token_id=target["vocab_size"] - 1,  # the synthetic target has no tokenizer
                 loader_threads=args.train_threads,
+                compile=args.compile,
                 eval_fraction=0.0,
                 epochs=1000,
             )

@@ -1,4 +1,4 @@
-"""Target shapes the benches share: Qwen3-8B, Qwen3.5-27B (text part) and a tiny stand-in for CPU runs.
+"""Target shapes the benches share: Qwen3-8B, Qwen3.5-27B (text part), a small target, a tiny one for CPU runs.
 
 Each is the text config as a checkpoint's config.json holds it (the fields the drafter, the cache writer
 and `transformers` config classes read), so a bench builds a random-weight model or a drafter of the real
@@ -58,6 +58,22 @@ TINY: dict[str, Any] = dict(
     intermediate_size=128,
     vocab_size=512,
     num_hidden_layers=8,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# A ~5M-parameter drafter's target (3 drafter layers of hidden 384, vocab 4096): per-step overhead, not FLOPs,
+# bounds how fast it trains, so it is the shape that shows launch and host-sync costs.
+SMALL: dict[str, Any] = dict(
+    QWEN3_8B,
+    hidden_size=384,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=1024,
+    vocab_size=4096,
+    num_hidden_layers=12,
     max_position_embeddings=4096,
     bos_token_id=1,
     eos_token_id=2,

@@ -1,7 +1,7 @@
 """`dflash-extract`: run a frozen target over a tokenized dataset and write the hidden-state cache.
 
     dflash-extract --target DIR --dataset PATH --out CACHE [--layers 1,9,17|all | --num-draft-layers K]
-                   [--codec lossless|fp8] [--max-len N] [--overlong truncate|skip] [--token-budget N]
+                   [--codec lossless|fp8|q6|q4] [--max-len N] [--overlong truncate|skip] [--token-budget N]
                    [--dry-run] [--json] ...
 
 `--dry-run` opens only the target's config.json and the dataset: it validates, plans and prints the
@@ -84,7 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="K for the DFlash default layer rule (default 5 when --layers is not given)",
     )
-    p.add_argument("--codec", choices=CODECS, default="lossless", help="feature codec of the cache")
+    p.add_argument(
+        "--codec",
+        choices=CODECS,
+        default="lossless",
+        help="feature codec of the cache (each one's size, error and tau cost: --dry-run)",
+    )
     p.add_argument("--max-len", type=int, default=3072, help="longest sequence extracted (tokens)")
     p.add_argument(
         "--overlong", choices=OVERLONG_POLICIES, default="truncate", help="what to do with longer rows"

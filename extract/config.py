@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from dflash.shards.codec_costs import CODEC_COSTS
 from dflash.shards.layers import capture_layer_ids, check_layer_ids
 
-CODECS = ("lossless", "fp8")
+CODECS = tuple(CODEC_COSTS)  # every codec of shards/codecs.py, without importing torch
 OVERLONG_POLICIES = ("truncate", "skip")
 NONFINITE_POLICIES = ("fail", "skip")
 DTYPES = ("bfloat16", "float32", "auto")

@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+from dflash.shards.codec_costs import codec_table, format_codec_table
 from dflash.shards.outdir import check_out_dir
 
 from .config import ExtractConfig
@@ -53,6 +54,7 @@ def dry_run_summary(config: ExtractConfig, run: PreparedRun) -> dict:
         },
         "codec": config.codec,
         "bytes_estimate": estimate,
+        "codecs": codec_table(estimate),
         "free_bytes": free,
         "free_path": str(probe),
         "fits": estimate[config.codec] <= free,
@@ -90,10 +92,6 @@ def format_summary(s: dict) -> str:
         ),
         ("padding", f"{s['padded_tokens']:,} padded tokens, overhead {100 * s['padding_overhead']:.2f}%"),
         ("work units", f"{s['units']:,} shards of ~{_size(s['unit_bytes'])}"),
-        (
-            "cache size",
-            "  ".join(f"{name} {_size(v)}{' *' if name == chosen else ''}" for name, v in est.items()),
-        ),
         ("free space", f"{_size(s['free_bytes'])} on {s['free_path']}: {verdict}"),
         (
             "time",
@@ -101,7 +99,8 @@ def format_summary(s: dict) -> str:
         ),
     ]
     width = max(len(k) for k, _ in lines)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
+    table = format_codec_table(s["codecs"], chosen, _size)
+    return "\n".join([*(f"{k:<{width}}  {v}" for k, v in lines), table])
 
 
 def run_dry_run(config: ExtractConfig) -> dict:

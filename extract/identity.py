@@ -1,7 +1,7 @@
 """What identifies a target by content, so a resume compares targets, not the spelling of their path.
 
 The manifest's `target` records `name_or_path` for people; a resume compares `config_sha256` and
-`weights_sha256`: the sha256 of every safetensors file's name, size, header (tensor names, dtypes,
+`weights_sha256` (`dflash.shards.manifest.refuse_other_settings`): the sha256 of every safetensors file's name, size, header (tensor names, dtypes,
 shapes, offsets) and first and last MiB of data. Reading a few MiB per file keeps it cheap for a
 multi-GB checkpoint, and a fine-tune of the same architecture changes the sampled bytes.
 """
@@ -12,14 +12,12 @@ import hashlib
 import os
 import struct
 from pathlib import Path
-from typing import Any
 
 from dflash.shards.errors import ShardError
 from dflash.shards.safe_io import open_regular
 
 _SAMPLE = 1 << 20
 _MAX_HEADER = 100 << 20  # safetensors' own limit
-_PATH_ONLY = ("name_or_path",)  # target fields that name the target without describing it
 
 
 def weights_fingerprint(target: str | os.PathLike) -> str | None:
@@ -44,16 +42,3 @@ def weights_fingerprint(target: str | os.PathLike) -> str | None:
         finally:
             os.close(fd)
     return h.hexdigest()
-
-
-def comparable_provenance(a: dict[str, Any], b: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Copies of two manifests' dicts without what a resume must not compare: the target's path, and the
-    weights fingerprint when one of them predates it (caches from older dflash versions)."""
-    a, b = dict(a), dict(b)
-    ta, tb = dict(a.get("target") or {}), dict(b.get("target") or {})
-    drop = [*_PATH_ONLY, *(() if "weights_sha256" in ta and "weights_sha256" in tb else ("weights_sha256",))]
-    for key in drop:
-        ta.pop(key, None)
-        tb.pop(key, None)
-    a["target"], b["target"] = ta, tb
-    return a, b

@@ -117,7 +117,6 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
     """Push the given units through the stages; raises the first stage error (e.g. DiskFull)."""
     cfg = s.config
     cuda = s.device.type == "cuda"
-    fp8 = s.codec.name == "fp8"
     stop = threading.Event()
     q_in, q_out, q_write = (Channel(cfg.queue_depth, stop) for _ in range(3))
     errors: list[BaseException] = []
@@ -158,7 +157,7 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
         threading.Thread(
             target=guarded,
             name="dflash-drain",
-            args=(drain, q_out, q_write, s.device, pool, s.codec, fp8, stats.clock("d2h"), stats, add_encode),
+            args=(drain, q_out, q_write, s.device, pool, s.codec, stats.clock("d2h"), stats, add_encode),
             kwargs={"layers": s.layers, "on_nonfinite": cfg.on_nonfinite},
         ),
         threading.Thread(
@@ -178,7 +177,7 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
     ]
     for t in threads:
         t.start()
-    step = GpuStep(target, fp8)
+    step = GpuStep(target, s.codec)
     clock = stats.clock("forward")
     try:
         while True:

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import overload
 
 import numpy as np
+from dflash.shards.codec_costs import CODEC_COSTS
 
-# Compression ratios measured by bench/bench_codecs.py on bf16 hidden states (see DESIGN.md):
+# Compression ratios measured by bench/bench_codecs.py on bf16 hidden states (shards/codec_costs.py):
 # byte-plane shuffle + zstd-1 gives 1.41-1.45x; fp8 e4m3 + zstd 2.28-2.34x (plus one fp32 scale per token/layer).
-LOSSLESS_RATIO = 1.42
-FP8_RATIO = 2.3
-FP8_SCALE_BYTES = 4  # one fp32 scale per (token, layer)
+LOSSLESS_RATIO = CODEC_COSTS["lossless"].ratio
+FP8_RATIO = CODEC_COSTS["fp8"].ratio
+FP8_SCALE_BYTES = CODEC_COSTS["fp8"].scale_bytes
 # Token frames stored beside the features: int32 ids + one byte of loss mask per token, and a small
 # per-sample index entry (offsets, lengths, checksums).
 TOKEN_FRAME_BYTES = 5
@@ -236,20 +237,19 @@ def bytes_per_token(codec: str, num_layers: int, hidden_size: int) -> float:
     raw = num_layers * hidden_size * 2
     if codec == "raw":
         features = float(raw)
-    elif codec == "lossless":
-        features = raw / LOSSLESS_RATIO
-    elif codec == "fp8":
-        features = raw / FP8_RATIO + num_layers * FP8_SCALE_BYTES
+    elif codec in CODEC_COSTS:
+        cost = CODEC_COSTS[codec]
+        features = raw / cost.ratio + num_layers * cost.scale_bytes
     else:
-        raise ValueError(f"unknown codec {codec!r}; choose raw, lossless or fp8")
+        raise ValueError(f"unknown codec {codec!r}; choose raw or one of {list(CODEC_COSTS)}")
     return features + TOKEN_FRAME_BYTES
 
 
 def estimate_cache_bytes(tokens: int, num_rows: int, num_layers: int, hidden_size: int) -> dict[str, int]:
-    """Estimated cache size for each codec (raw bf16, lossless, fp8) of `tokens` tokens in `num_rows` rows."""
+    """Estimated cache size for each codec (raw bf16, then every codec) of `tokens` tokens in `num_rows` rows."""
     return {
         codec: int(
             tokens * bytes_per_token(codec, num_layers, hidden_size) + num_rows * SAMPLE_OVERHEAD_BYTES
         )
-        for codec in ("raw", "lossless", "fp8")
+        for codec in ("raw", *CODEC_COSTS)
     }

@@ -2,12 +2,13 @@
 
     loader thread   gather a batch's rows into (pinned) host tensors                 -> q_in
     main thread     H2D on a copy stream, forward, keep real tokens, flag non-finite
-                    tokens, fp8 on the GPU, D2H into pinned buffers on the copy
-                    stream (with an event)                                           -> q_out
+                    tokens, quantize (fp8, q4, q6) on the GPU, D2H into pinned buffers
+                    on the copy stream (with an event)                               -> q_out
     drain thread    wait for the D2H event, apply --on-nonfinite, submit one encode
                     task per kept sample                                             -> q_write
     encode pool     encode_sample (zstd releases the GIL)
-    writer thread   one ShardWriter per work unit, samples in plan order, commit
+    writer thread   one ShardWriter per work unit, samples in plan order; a Committer publishes each
+                    finished shard (fsync, rename) on its own threads while the next one streams
 
 Every thread that fails sets the shared stop event; queue operations give up when it is set, so an
 error anywhere (ENOSPC in the writer, a bad row in the loader) stops the run promptly and the first
@@ -33,10 +34,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from dflash.shards.codecs import Codec, Fp8Block, quantize_fp8
+from dflash.shards.codecs import Codec
 from dflash.shards.errors import ShardError
 from dflash.shards.manifest import ShardInfo
-from dflash.shards.writer import EncodedSample, ShardWriter, encode_sample
+from dflash.shards.writer import COMMITS_IN_FLIGHT, Committer, EncodedSample, ShardWriter, encode_sample
 
 from .gather import GatherBuffers, gather
 
@@ -119,7 +120,7 @@ class WorkBatch:
     loss_mask: torch.Tensor  # [B, T] host
     select: torch.Tensor  # int64 [N] flat indexes of the real tokens in [B*T]
     # Filled by the GPU stage:
-    features: tuple[torch.Tensor, ...] = ()  # host: ([K, N, H],) or fp8 (q [K*N, H], scale [K*N])
+    features: tuple[torch.Tensor, ...] = ()  # host: the codec's `quantize_batch` output, e.g. ([K, N, H],)
     nonfinite: torch.Tensor | None = None  # host bool [K, N]: token n of layer k holds a NaN/inf
     ready: Any = None  # CUDA event after the D2H copy, None on CPU
     timing: tuple[Any, Any] | None = None  # CUDA events around the compute
@@ -191,11 +192,11 @@ def _token_positions(lengths: np.ndarray, padded_len: int) -> np.ndarray:
 
 
 class GpuStep:
-    """Forward + token selection + optional fp8 + D2H for one batch (the main thread's work)."""
+    """Forward + token selection + the codec's quantization + D2H for one batch (the main thread's work)."""
 
-    def __init__(self, target: Any, fp8: bool):
+    def __init__(self, target: Any, codec: Codec):
         self.target = target
-        self.fp8 = fp8
+        self.codec = codec
         self.device = target.device
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -216,7 +217,7 @@ class GpuStep:
             start.record(self.compute_stream)
         else:
             ids, select = item.input_ids, item.select
-        features, nonfinite = self._compute(ids, select)
+        features, nonfinite = self._compute(ids, select, item.lengths)
         if not self.cuda:
             item.features, item.nonfinite = features, nonfinite
             return item
@@ -237,7 +238,7 @@ class GpuStep:
 
     @torch.inference_mode()
     def _compute(
-        self, ids: torch.Tensor, select: torch.Tensor
+        self, ids: torch.Tensor, select: torch.Tensor, lengths: np.ndarray
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         outs = self.target.capture(ids.long())
         b, s, h = outs[0].shape
@@ -248,28 +249,7 @@ class GpuStep:
         # A NaN/inf anywhere in a token's row makes its fp32 sum non-finite: one reduction, no
         # full-size temporary (only finite values summing past 3e38 could flag a token wrongly).
         nonfinite = ~torch.isfinite(packed.sum(dim=-1, dtype=torch.float32))
-        if self.fp8:
-            block = quantize_fp8(packed.view(-1, h))
-            return (block.q, block.scale), nonfinite
-        return (packed,), nonfinite
-
-
-def sample_layers(item: WorkBatch, i: int, offset: int, fp8: bool) -> list[torch.Tensor | Fp8Block]:
-    """Row i's per-layer views [len, H] into the batch's host features (no copy)."""
-    n = int(item.lengths[i])
-    if fp8:
-        q, scale = item.features
-        total = int(item.lengths.sum())
-        k_layers = q.shape[0] // total
-        return [
-            Fp8Block(
-                q=q[k * total + offset : k * total + offset + n],
-                scale=scale[k * total + offset : k * total + offset + n],
-            )
-            for k in range(k_layers)
-        ]
-    (packed,) = item.features
-    return [packed[k, offset : offset + n] for k in range(packed.shape[0])]
+        return self.codec.quantize_batch(packed, lengths.tolist()), nonfinite
 
 
 def nonfinite_reasons(item: WorkBatch, layers: list[int]) -> dict[int, str]:
@@ -297,7 +277,6 @@ def drain(
     device: torch.device,
     pool: ThreadPoolExecutor,
     codec: Codec,
-    fp8: bool,
     clock: StageClock,
     stats: StageStats,
     encode_clock: Callable[[float], None],
@@ -330,8 +309,9 @@ def drain(
             futures: list[Future] = []
             skipped: list[dict[str, Any]] = []
             offset = 0
+            lengths = item.lengths.tolist()
             for i, row in enumerate(item.rows.tolist()):
-                n = int(item.lengths[i])
+                n = lengths[i]
                 if i in bad:
                     if on_nonfinite != "skip":
                         raise NonFiniteStates(
@@ -340,7 +320,7 @@ def drain(
                         )
                     skipped.append({"row": row, "reason": bad[i]})
                 else:
-                    parts = sample_layers(item, i, offset, fp8)
+                    parts = codec.batch_sample(item.features, lengths, i, offset)
                     futures.append(
                         pool.submit(_timed_encode, encode_clock, codec, row, ids[i, :n], loss[i, :n], parts)
                     )
@@ -366,11 +346,15 @@ def write_shards(
     stats: StageStats,
     raw_bytes_per_token: int,
     progress: Any,
+    commit_depth: int = COMMITS_IN_FLIGHT,
 ) -> None:
-    """Writer thread: one ShardWriter per unit, samples in plan order; commit at the unit's last batch.
-    Rows the drain skipped are listed in their unit's shard index (`meta.skipped`)."""
+    """Writer thread: one ShardWriter per unit, samples in plan order; at the unit's last batch the shard is
+    finished here and published (fsync + rename) by the Committer while the next unit streams in.
+    `wait_out` counts the time the writer waited for the disk (every commit slot busy). Rows the drain
+    skipped are listed in their unit's shard index (`meta.skipped`)."""
     writer: ShardWriter | None = None
     unit_skipped: list[dict[str, Any]] = []
+    committer = Committer(commit_depth)
     t0 = time.perf_counter()
     try:
         while True:
@@ -396,10 +380,14 @@ def write_shards(
                 if item.last_in_unit:
                     if unit_skipped:
                         writer.meta.extra["skipped"] = unit_skipped
-                    info = writer.commit()
-                    writer = None
+                    info = writer.finish()
                     after = info.bytes  # index and footer included
                     stats.shards.append(info)
+            if item.last_in_unit:
+                with clock.timing("wait_out"):
+                    committer.submit(writer)
+                writer = None
+            with clock.timing("busy"):
                 written = after - before
                 stats.rows += len(item.rows) - len(skipped)
                 stats.rows_nonfinite += len(skipped)
@@ -415,9 +403,12 @@ def write_shards(
                         ratio=f"{stats.raw_bytes / max(stats.bytes_written, 1):.2f}x",
                         refresh=False,
                     )
+        with clock.timing("wait_out"):
+            committer.drain()  # the run's manifest lists what is on disk: every shard must be there
     finally:
         if writer is not None:
             writer.abort()
+        committer.close()
 
 
 def skipped_in_shard(reader: Any) -> list[dict[str, Any]]:

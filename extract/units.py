@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shards.atomic import discard
-from dflash.shards.errors import ManifestMismatch, ShardError
-from dflash.shards.manifest import Manifest, diff_manifests, load_manifest, save_manifest
+from dflash.shards.errors import ShardError
+from dflash.shards.manifest import Manifest, load_manifest, refuse_other_settings, save_manifest
 from dflash.shards.outdir import check_out_dir, raise_if_not_ours
 from dflash.shards.paths import (
     LOCK_NAME,
@@ -42,8 +42,6 @@ from dflash.shards.paths import (
     unit_of_shard,
 )
 from dflash.shards.safe_io import load_json, open_nofollow, read_regular
-
-from .identity import comparable_provenance
 
 log = logging.getLogger(__name__)
 
@@ -246,14 +244,7 @@ def check_or_write_manifest(cache_dir: Path, expected: Manifest, *, write: bool)
     path = cache_dir / MANIFEST_NAME
     if os.path.lexists(path):
         current = load_manifest(cache_dir)
-        # The target is compared by content (config and weights fingerprints), not by path spelling.
-        differences = diff_manifests(*comparable_provenance(current.to_dict(), expected.to_dict()))
-        if differences:
-            raise ManifestMismatch(
-                f"{cache_dir} was extracted with other settings, resume refused (use the same command or "
-                "another --out); cache != this command",
-                differences,
-            )
+        refuse_other_settings(current, expected, f"{cache_dir} was extracted with other settings")
         return current
     if not write:
         raise ShardError(f"{path} is missing although rank 0 reported the cache ready")

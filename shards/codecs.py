@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -269,6 +269,8 @@ class Codec:
     """Encodes one [S, H] layer of one sample into one frame's bytes and back."""
 
     name: ClassVar[str]
+    # True: training may read frames undecoded (`decode_block`) and decode them on its GPU
+    device_decode: ClassVar[bool] = False
 
     def __init__(self, level: int = 1):
         if not isinstance(level, int) or not 1 <= level <= 22:
@@ -291,6 +293,20 @@ class Codec:
     def decoded_bytes(self, tokens: int, hidden: int, dtype: str) -> int:
         """Bytes a frame of [tokens, hidden] decompresses to (bounds allocation for hostile input)."""
         return tokens * hidden * _ITEMSIZE[dtype_name(dtype)]
+
+    def quantize_batch(self, packed: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """What the extractor copies to the host for [K, N, H] layers of rows of `lengths` back to back
+        (run on the GPU: quantizing codecs shrink it there); the input itself by default."""
+        return (packed,)
+
+    def batch_sample(
+        self, parts: tuple[torch.Tensor, ...], lengths: Sequence[int], i: int, offset: int
+    ) -> list[Any]:
+        """Row i's per-layer `encode` inputs (views, no copy) from `quantize_batch` output copied to the host;
+        `offset` = the sum of the lengths before row i."""
+        (packed,) = parts
+        n = int(lengths[i])
+        return [packed[k, offset : offset + n] for k in range(packed.shape[0])]
 
     def encode(self, x: torch.Tensor | np.ndarray | Fp8Block) -> bytes:
         raise NotImplementedError
@@ -455,6 +471,18 @@ class Fp8Codec(Codec):
     """fp8 e4m3fn + per-token fp32 scale: frame = zstd(scale f32 LE [S] || q u8 [S*H])."""
 
     name = "fp8"
+    device_decode = True
+
+    def quantize_batch(self, packed: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        block = quantize_fp8(packed.reshape(-1, packed.shape[-1]))
+        return (block.q.view(packed.shape), block.scale.view(packed.shape[:2]))
+
+    def batch_sample(
+        self, parts: tuple[torch.Tensor, ...], lengths: Sequence[int], i: int, offset: int
+    ) -> list[Fp8Block]:
+        q, scale = parts
+        rows = slice(offset, offset + int(lengths[i]))
+        return [Fp8Block(q=q[k, rows], scale=scale[k, rows]) for k in range(q.shape[0])]
 
     def stored_dtype(self, input_dtype: str) -> str:
         return "bfloat16"
@@ -518,16 +546,29 @@ class Fp8Codec(Codec):
 _REGISTRY: dict[str, type[Codec]] = {LosslessCodec.name: LosslessCodec, Fp8Codec.name: Fp8Codec}
 
 
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _registry() -> dict[str, type[Codec]]:
+    from . import qcodec  # noqa: F401  (registers q4/q6; it builds on this module, so it loads second)
+
+    return _REGISTRY
+
+
 def codec_names() -> list[str]:
-    return sorted(_REGISTRY)
+    """Every codec name, in the order users choose from: lossless, fp8, then the denser ones."""
+    return list(_registry())
 
 
 def get_codec(name: str, **params: Any) -> Codec:
-    """The codec registered as `name` ('lossless' or 'fp8') with its parameters (e.g. level=1)."""
-    if name not in _REGISTRY:
+    """The codec registered as `name` ('lossless', 'fp8', 'q6', 'q4') with its parameters (e.g. level=1)."""
+    registry = _registry()
+    if name not in registry:
         raise ValueError(f"unknown codec {name!r}: choose one of {codec_names()}")
     try:
-        return _REGISTRY[name](**params)
+        return registry[name](**params)
     except TypeError as exc:
         raise ValueError(f"bad parameters {params} for codec {name!r}: {exc}") from None
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import __version__
 from .atomic import atomic_write_bytes
-from .errors import ShardError
+from .errors import ManifestMismatch, ShardError
 from .paths import MANIFEST_NAME
 from .safe_io import load_json, read_regular
 from .target_config import decoder_config
@@ -210,3 +210,27 @@ def diff_manifests(
             vb = vb.get(part, "missing") if isinstance(vb, Mapping) else "missing"
         _diff(name, va, vb, out)
     return out
+
+
+def _comparable(a: Manifest, b: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two manifests' dicts without what a resume must not compare: the target's path (the same target
+    may be spelled as another path), and `weights_sha256` when one of them predates it."""
+    da, db = a.to_dict(), b.to_dict()
+    ta, tb = dict(da.get("target") or {}), dict(db.get("target") or {})
+    both = "weights_sha256" in ta and "weights_sha256" in tb
+    for key in ("name_or_path", *(() if both else ("weights_sha256",))):
+        ta.pop(key, None)
+        tb.pop(key, None)
+    da["target"], db["target"] = ta, tb
+    return da, db
+
+
+def refuse_other_settings(current: Manifest, expected: Manifest, what: str) -> None:
+    """A resume whose provenance differs from the cache's is refused, naming every differing field. The
+    target is compared by content (config and weights fingerprints), not by the spelling of its path."""
+    differences = diff_manifests(*_comparable(current, expected))
+    if differences:
+        raise ManifestMismatch(
+            f"{what}, resume refused (use the same command or another --out); cache != this command",
+            differences,
+        )

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .codecs import Codec, Fp8Block, Fp8Codec, codec_from_dict, zstd_decompress_exact
+from .codecs import Codec, Fp8Block, codec_from_dict, zstd_decompress_exact
 from .errors import CorruptFrame, ShardError
 from .layout import FOOTER, MAGIC, Entry, checksum, frame_names, index_checksum, parse_footer, parse_index
 from .manifest import Manifest, ShardInfo, load_manifest
@@ -33,7 +33,7 @@ class Sample:
     row: int
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
-    hidden: dict[int, torch.Tensor]  # Fp8Block values when read with dequantize=False from an fp8 cache
+    hidden: dict[int, torch.Tensor]  # Fp8Block/QBlock values when read with dequantize=False (fp8, q4, q6)
 
     @property
     def length(self) -> int:
@@ -166,7 +166,7 @@ class ShardReader:
                 if raw.max() > 1:
                     raise CorruptFrame("loss_mask holds values other than 0/1")
                 return torch.from_numpy(raw.astype(np.bool_))
-            if not dequantize and isinstance(self.codec, Fp8Codec):
+            if not dequantize and self.codec.device_decode:
                 return self.codec.decode_block(buf, (s, self.hidden_size), rows=m)
             if m < s:
                 return self.codec.decode_rows(buf, (s, self.hidden_size), self.dtype, m)
@@ -186,8 +186,8 @@ class ShardReader:
 
         `max_tokens` cuts the sample to its first tokens while decoding: the rest is never decompressed
         (a training run's --max-length bounds its memory, whatever length the index claims).
-        `dequantize=False` on an fp8 cache returns `Fp8Block`s in `hidden` (half the bytes to move; the
-        trainer calls `dequantize_fp8` on its GPU); other codecs ignore it."""
+        `dequantize=False` on an fp8 or q4/q6 cache returns `Fp8Block`s or `QBlock`s in `hidden` (fewer bytes
+        to move; the trainer decodes them on its GPU); other codecs ignore it."""
         if not 0 <= i < len(self.entries):
             raise IndexError(f"{self.path}: sample {i} out of range (shard holds {len(self.entries)})")
         if max_tokens is not None and max_tokens < 1:

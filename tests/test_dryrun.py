@@ -66,7 +66,7 @@ def test_resolve_layers_defaults_and_explicit():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"codec": "gzip"}, "codec must be one of lossless, fp8; got 'gzip'"),
+        ({"codec": "gzip"}, "codec must be one of lossless, fp8, q6, q4; got 'gzip'"),
         ({"max_len": 0}, "max_len must be >= 1, got 0"),
         ({"overlong": "drop"}, "overlong must be one of truncate, skip"),
         ({"token_budget": 0}, "token_budget must be >= 1"),
@@ -126,8 +126,13 @@ def test_dry_run_json(setup, capsys):
     assert out["layers"] == [1, 16, 31, 46, 61]
     assert out["target"]["hidden_size"] == 5120  # read from text_config of the VLM wrapper
     assert out["max_batch_tokens"] <= 512 and out["padded_tokens"] >= out["tokens"]
-    assert set(out["bytes_estimate"]) == {"raw", "lossless", "fp8"}
+    assert set(out["bytes_estimate"]) == {"raw", "lossless", "fp8", "q6", "q4"}
     assert out["bytes_estimate"]["raw"] >= out["tokens"] * 5 * 5120 * 2
+    est, table = out["bytes_estimate"], out["codecs"]
+    assert list(table) == ["raw", "lossless", "fp8", "q6", "q4"]
+    assert est["raw"] > est["lossless"] > est["fp8"] > est["q6"] > est["q4"]
+    assert table["q4"]["bytes"] == est["q4"] and table["q4"]["tau"] == "not measured"
+    assert table["q4"]["tau_delta"] is None and 0.05 < table["q4"]["rel_error"] < 0.2
     assert not (tmp_path / "cache").exists()  # a dry run writes nothing
 
 
@@ -143,11 +148,14 @@ def test_dry_run_table(setup, capsys):
         "batches",
         "padding",
         "cache size",
-        "fp8",
+        "fp8 *",
         "lossless",
         "free space",
+        "tau vs lossless",
     ):
         assert word in text
+    q4 = next(line for line in text.splitlines() if line.startswith("q4 "))
+    assert "not measured" in q4 and "%" in q4
 
 
 def test_bad_target_config_is_one_line(setup, capsys):

@@ -102,9 +102,13 @@ def test_vlm_wrapped_qwen3_5_target(tmp_path: Path, dataset: Path) -> None:
         assert (sample.hidden[1] - expected).abs().max() <= 1e-5
 
 
-def test_fp8_cache_close_to_reference(tmp_path: Path, dataset: Path, qwen3: Path) -> None:
-    result = run_extraction(make_config(qwen3, dataset, tmp_path / "cache", codec="fp8"))
-    assert result.complete and result.ratio > 3.5  # vs fp32: 4 bytes -> ~1 byte + scales, then zstd
+@pytest.mark.parametrize(("codec", "min_ratio", "max_error"), [("fp8", 3.5, 0.05), ("q4", 5.0, 0.15)])
+def test_quantized_cache_close_to_reference(
+    tmp_path: Path, dataset: Path, qwen3: Path, codec: str, min_ratio: float, max_error: float
+) -> None:
+    """Quantized on the (CPU stand-in for the) GPU per batch, each sample as its own frame."""
+    result = run_extraction(make_config(qwen3, dataset, tmp_path / "cache", codec=codec))
+    assert result.complete and result.ratio > min_ratio  # vs fp32: 4 bytes -> ~1 byte + scales, then zstd
     reference = load_reference(qwen3)
     with Cache.open(tmp_path / "cache") as cache:
         assert cache.manifest.dtype == "bfloat16"
@@ -113,7 +117,7 @@ def test_fp8_cache_close_to_reference(tmp_path: Path, dataset: Path, qwen3: Path
             expected = reference_layer_outputs(reference, sample.input_ids, LAYERS)
             for layer, exp in zip(LAYERS, expected, strict=True):
                 got = sample.hidden[layer].float()
-                assert (got - exp).norm() / exp.norm() < 0.05
+                assert (got - exp).norm() / exp.norm() < max_error
 
 
 def test_rerun_of_complete_cache_does_nothing_and_parts_are_written(

@@ -92,3 +92,34 @@ def test_sigkill_at_random_moments_then_resume(setup: dict) -> None:
         report = verify_cache(cache, dataset_rows=160)
         assert report.ok, report.lines()
     assert load_manifest(out).to_dict() == load_manifest(setup["reference"]).to_dict()
+
+
+def test_sigkill_while_a_commit_is_in_flight_then_resume(setup: dict) -> None:
+    """Killed while a finished shard waits for its fsync + rename (and the next one streams): that shard is
+    not visible, the resume redoes it, the result equals an uninterrupted run."""
+    out = setup["root"] / "killed-commit"
+    marker = setup["root"] / "publishing"
+    log = str(setup["root"] / "children-commit.log")
+    spec = {**setup["spec"], "out": str(out)}
+    launcher = Launcher()
+    try:
+        pid = launcher.run(spec, delay=DELAY_S, publish_delay=60.0, marker=str(marker), log=log)
+        deadline = time.monotonic() + 60
+        while not marker.exists() and launcher.poll(pid) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert marker.exists(), Path(log).read_text()[-3000:]
+        time.sleep(4 * DELAY_S)  # the writer streams the next unit meanwhile
+        os.kill(pid, signal.SIGKILL)
+        assert launcher.wait(pid) == -signal.SIGKILL
+        in_flight = marker.read_text()
+        assert not (out / "shards" / in_flight).exists()
+        temps = [p for p in (out / "shards").iterdir() if p.name.startswith(f".{in_flight}.tmp-")]
+        assert len(temps) == 1 and temps[0].read_bytes().endswith(b"DFSFOOT1")  # finished, never published
+        committed_shards_are_whole(out)
+        pid = launcher.run(spec, log=log)
+        assert launcher.wait(pid) == 0, Path(log).read_text()[-3000:]
+    finally:
+        launcher.close()
+    assert shard_bytes(out) == shard_bytes(setup["reference"])
+    with Cache.open(out) as cache:
+        assert verify_cache(cache, dataset_rows=160).ok

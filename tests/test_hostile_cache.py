@@ -23,6 +23,7 @@ from common.hostile import (
     resign_manifest,
     rewrite_index,
     run_measured,
+    tree_snapshot,
 )
 from dflash.shards import Cache, ShardError, encode_sample, get_codec, verify_cache
 from dflash.shards.layout import FOOTER
@@ -181,6 +182,31 @@ def test_shard_that_is_not_a_file(cache: Path, capsys, kind: str) -> None:
     assert results == [2, 1]
     assert f"shard {path} is {what}" in one_error_line(err, PROG)
     assert f"shard {path} is {what}, not a regular file" in out
+
+
+def test_convert_follows_the_out_rule(cache: Path, tmp_path: Path, capsys) -> None:
+    """`dflash-shards convert --out` is held to extraction's rule: a foreign directory (dotfiles count) and a
+    directory inside the source cache are refused untouched, and a link planted at a marked directory's
+    lock is refused, not followed."""
+    foreign = tmp_path / "foreign"
+    (foreign / "shards").mkdir(parents=True)
+    (foreign / ".git").write_text("user's")
+    (foreign / "shards" / ".shard-000000.dfs.tmp-1").write_text("user's")
+    before = tree_snapshot(foreign)
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    marked = tmp_path / "marked"
+    marked.mkdir()
+    (marked / ".dflash").write_text('{"kind": "cache"}')
+    os.symlink(victim, marked / ".lock")
+    for out, problem in (
+        (foreign, "was not written by dflash"),
+        (cache / "converted", f"is inside the dflash cache {cache}"),
+        (marked, "is a symbolic link"),
+    ):
+        assert problem in _refused(capsys, "convert", str(cache), "--codec", "fp8", "--out", str(out))
+    assert tree_snapshot(foreign) == before and not (cache / "converted").exists()
+    assert victim.read_text() == "keep" and os.path.islink(marked / ".lock")
 
 
 # --- fuzz: manifest, index and footer bytes ------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dflash.shards import Cache, ShardReader
+from dflash.shards import Cache, ShardReader, get_codec
 from dflash.shards.errors import ShardError
 from dflash.train.data_plan import heldout_mask
 from dflash.train.data_spec import DataSpec
@@ -161,10 +161,11 @@ def test_explicit_eval_rows_never_reach_training(cache_dir: Path) -> None:
     assert sorted(rows) == sorted(set(range(48)) - held)
 
 
-def test_fp8_batches_dequantized_after_the_copy_equal_the_cpu_decode(tmp_path: Path) -> None:
-    """fp8 read undecoded, packed as bits + scales and dequantized "on the device" gives the same bf16 bits
-    as the codec's CPU decode, batch for batch (max_length truncates some samples: Fp8Block slicing)."""
-    cache = write_fake_cache(tmp_path / "fp8", num_samples=24, samples_per_shard=8, codec="fp8", max_len=50)
+@pytest.mark.parametrize("codec", ["fp8", "q4"])
+def test_undecoded_batches_decoded_after_the_copy_equal_the_cpu_decode(tmp_path: Path, codec: str) -> None:
+    """fp8/q4 read undecoded, packed as codes + scales and decoded "on the device" gives the same bf16 bits
+    as the codec's CPU decode, batch for batch (max_length truncates some samples: block slicing)."""
+    cache = write_fake_cache(tmp_path / codec, num_samples=24, samples_per_shard=8, codec=codec, max_len=50)
     on_host = _collect(_loader(cache, dequantize_on_device=False, epochs=1))
     on_device = _collect(_loader(cache, dequantize_on_device=True, epochs=1))
     assert len(on_host) == len(on_device) > 1
@@ -173,9 +174,10 @@ def test_fp8_batches_dequantized_after_the_copy_equal_the_cpu_decode(tmp_path: P
         assert b.batch.features.dtype == torch.bfloat16
         assert torch.equal(a.batch.features.view(torch.int16), b.batch.features.view(torch.int16))
     loader = _loader(cache, dequantize_on_device=True)
-    assert loader.fp8_on_device
+    assert loader.decode_on_device
     filler = loader._filler()
-    assert all(f.q.dtype == torch.uint8 for f in filler.hidden.values())
+    block = get_codec(codec).decode_block(get_codec(codec).encode(torch.zeros(2, 1)), (2, 1))
+    assert all(type(f) is type(block) for f in filler.hidden.values())
 
 
 def test_wait_records_every_tensor_on_the_consumer_stream(cache_dir: Path, monkeypatch) -> None:

@@ -148,9 +148,9 @@ _KILLED_WRITER = textwrap.dedent(
     w = ShardWriter({path!r}, ShardMeta(codec=codec, layers=[0], hidden_size=64))
     for row in range(10_000):
         w.append(encode_sample(codec, row, torch.arange(50), torch.ones(50), llm_like_layers(50, 64, 1, seed=row)))
-        if row == 3:
+        if row == 300:  # small frames reach the disk in ~1 MiB writes: 300 rows are ~1.8 MB
             print("appending", flush=True)
-        time.sleep(0.005)
+        time.sleep(0.001)
     """
 )
 

@@ -31,6 +31,7 @@ from dflash.shards import (
     shard_name,
     verify_cache,
 )
+from dflash.shards.qcodec import QBlock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,7 +110,7 @@ def test_empty_cache_and_one_token_sample(tmp_path: Path) -> None:
         assert s.length == 1 and s.hidden[5].shape == (1, 1)
 
 
-@pytest.mark.parametrize("codec", ["lossless", "fp8"])
+@pytest.mark.parametrize("codec", ["lossless", "fp8", "q4"])
 def test_layer_subsets_iteration_and_raw_fp8(tmp_path: Path, codec: str) -> None:
     written = make_cache(tmp_path, [5, 9, 3], layers=(2, 4, 6), hidden=16, codec=codec, rows_per_shard=3)
     with Cache.open(tmp_path) as cache:
@@ -129,6 +130,14 @@ def test_layer_subsets_iteration_and_raw_fp8(tmp_path: Path, codec: str) -> None
             block = raw.hidden[4]
             assert isinstance(block, Fp8Block) and block.q.shape == (3, 16) and block.scale.shape == (3,)
             assert relative_error(cache.read(2).hidden[4], written[2][1]) <= 0.03
+        elif codec == "q4":
+            block = raw.hidden[4]
+            assert (
+                isinstance(block, QBlock)
+                and block.codes.shape == (3, 16)
+                and block.channel_scales.shape == (16,)
+            )
+            assert relative_error(cache.read(2).hidden[4], written[2][1]) <= 0.2
         else:
             assert torch.equal(raw.hidden[4], written[2][1])
         with pytest.raises(KeyError, match="row 7"):

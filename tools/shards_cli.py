@@ -7,7 +7,8 @@
     dflash-shards verify CACHE [--dataset PATH] [--quick]   decode every frame (ids in vocabulary, mask
                                         agrees with the index, no NaN/inf); --quick only re-hashes;
                                         exit 0 only if all is well
-    dflash-shards plan ARGS...          `dflash-extract --dry-run ARGS...` (sizes, units, free space)
+    dflash-shards plan ARGS...          `dflash-extract --dry-run ARGS...` (sizes and costs per codec, units, free space)
+    dflash-shards convert CACHE --codec C --out NEW   re-encode (e.g. lossless -> q4) without the target; resumable
 
 Every subcommand takes --json. Exit codes: 0 ok, 1 verify found problems, 2 bad input.
 """
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from dflash.shards.cli import run_main
+from dflash.shards.codecs import codec_names
+from dflash.shards.convert import ConvertConfig, convert_cache
 from dflash.shards.reader import Cache
 from dflash.shards.summary import cache_info, cache_stats, sample_report, shard_list
 from dflash.shards.verify import verify_cache
@@ -52,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--quick", action="store_true", help="only re-hash the stored bytes (no decoding: faster, weaker)"
     )
+    convert = add("convert", "re-encode every shard with another codec into a new cache (resumable)")
+    convert.add_argument("--codec", required=True, choices=codec_names(), help="the new cache's codec")
+    convert.add_argument("--out", required=True, help="the new cache directory (re-run to resume)")
+    convert.add_argument("--threads", type=int, default=0, help="encode threads (default: one per core)")
+    convert.add_argument("--device", default="cpu", help="where fp8/q6/q4 quantize, e.g. cuda (default cpu)")
     plan = sub.add_parser("plan", help="dflash-extract --dry-run with these arguments", add_help=False)
     plan.add_argument("args", nargs=argparse.REMAINDER)
     return p
@@ -101,6 +109,23 @@ def _print_info(d: dict[str, Any]) -> None:
     print("\n".join(lines))
 
 
+def _convert(args: argparse.Namespace) -> int:
+    config = ConvertConfig(
+        source=args.cache, out=args.out, codec=args.codec, threads=args.threads, device=args.device
+    )
+    d = convert_cache(config).to_dict()
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    ratio = d["bytes_in"] / d["bytes_out"] if d["bytes_out"] else 0.0
+    print(
+        f"converted {d['converted']} of {d['shards']} shards ({d['rows']:,} rows) to {d['codec']} in "
+        f"{d['seconds']:.1f} s: {_size(d['bytes_in'])} -> {_size(d['bytes_out'])} ({ratio:.2f}x smaller); "
+        f"check it with `{PROG} verify {d['out']}`"
+    )
+    return 0
+
+
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
@@ -113,6 +138,8 @@ def _main(argv: Sequence[str] | None) -> int:
         raise ValueError(f"ROW must be a dataset row id >= 0, got {args.row}")
     if args.command == "stats" and args.sample < 1:
         raise ValueError(f"--sample must be >= 1, got {args.sample}")
+    if args.command == "convert":
+        return _convert(args)
     with Cache.open(args.cache, require_complete=False) as cache:
         if args.command == "info":
             out: Any = cache_info(cache)

@@ -15,7 +15,8 @@ Public API (stable):
 A sequence may be a `SequenceInput` or anything with `input_ids`, `loss_mask` and `hidden: dict[layer, [S, H]]`
 (a `dflash.shards` Sample); the latter needs `layer_ids` to pick and order the layers. Samples read from an
 fp8 cache with `dequantize=False` hold `Fp8Block`s: they pack as fp8 bits plus per-token scales (half the
-bytes to pin and copy) and `dequantized()` turns them into the cache's bf16 values on the GPU.
+bytes to pin and copy) and `dequantized()` turns them into the cache's bf16 values on the GPU. q4/q6 caches
+hold `QBlock`s, packed likewise as int8 codes plus their token, group and per-sequence channel scales.
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ from typing import Any
 
 import torch
 from dflash.shards import Fp8Block, dequantize_fp8
+from dflash.shards.qcodec import QBlock, dequantize_q
 
 from .config import default_gamma
 
 
 @dataclass(slots=True)
 class PackedBatch:
-    """Several sequences' context tokens and blocks. T context tokens, N blocks of B slots."""
+    """Several sequences' context tokens and blocks. T context tokens, N blocks of B slots.
+
+    Layout (`block_mask.py` relies on it): each sequence's context tokens are contiguous and in position
+    order from 0, sequences in pack order (`context_seq` sorted)."""
 
     features: torch.Tensor  # [T, K*H] target features, layers concatenated in target_layer_ids order
     context_pos: torch.Tensor  # [T] long, position within its own sequence
@@ -43,8 +48,11 @@ class PackedBatch:
     block_seq: torch.Tensor  # [N] long, sequence of each block, -1 for padding blocks
     labels: torch.Tensor  # [N, B] long, x[a + k] (0 where the weight is 0 past the end)
     weights: torch.Tensor  # [N, B] float32 loss weights
-    # [T, K] float32 when `features` holds fp8 e4m3 bits (uint8 [T, K*H]) from an fp8 cache, else None
+    # [T, K] float32 when `features` holds fp8 e4m3 bits (uint8 [T, K*H]) or q codes (int8 [T, K*H]), else None
     feature_scales: torch.Tensor | None = None
+    # q codes only: ratio codes uint8 [T, K*ceil(H/32)] and channel scale codes int8 [sequences, K*H]
+    feature_group_scales: torch.Tensor | None = None
+    feature_channel_scales: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -72,16 +80,29 @@ class PackedBatch:
         return self._map(lambda t: t.pin_memory())
 
     def dequantized(self) -> PackedBatch:
-        """bf16 features from fp8-packed ones (same bits as the codec's own decode); self if not fp8."""
+        """bf16 features from fp8- or q-packed ones (same bits as the codec's own decode); else self."""
         if self.feature_scales is None:
             return self
         t, k = self.feature_scales.shape
         h = self.features.shape[1] // k
         out = torch.empty((t, k * h), dtype=torch.bfloat16, device=self.features.device)
         for j in range(k):  # one layer at a time: an fp32 temporary of [T, H], not [T, K*H]
-            block = Fp8Block(q=self.features[:, j * h : (j + 1) * h], scale=self.feature_scales[:, j])
-            out[:, j * h : (j + 1) * h] = dequantize_fp8(block, torch.bfloat16)
-        return replace(self, features=out, feature_scales=None)
+            cols = slice(j * h, (j + 1) * h)
+            if self.feature_group_scales is None:
+                block = Fp8Block(q=self.features[:, cols], scale=self.feature_scales[:, j])
+                out[:, cols] = dequantize_fp8(block, torch.bfloat16)
+                continue
+            g = self.feature_group_scales.shape[1] // k
+            q = QBlock(
+                codes=self.features[:, cols],
+                group_scales=self.feature_group_scales[:, j * g : (j + 1) * g],
+                token_scales=self.feature_scales[:, j],
+                channel_scales=self.feature_channel_scales[:, cols],
+            )
+            out[:, cols] = dequantize_q(q, torch.bfloat16, row_of_token=self.context_seq)
+        return replace(
+            self, features=out, feature_scales=None, feature_group_scales=None, feature_channel_scales=None
+        )
 
 
 def _maybe(fn: Any, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -208,7 +229,7 @@ def make_packed_batch(
         lengths.append(s)
         block_parts.append((blk, lab, wt, chosen, torch.full_like(chosen, index)))
 
-    features, feature_scales = _pack_features(parts, lengths, feature_dtype)
+    packed_features = _pack_features(parts, lengths, feature_dtype)
     context_pos = torch.cat([torch.arange(s) for s in lengths])
     context_seq = torch.cat([torch.full((s,), i, dtype=torch.long) for i, s in enumerate(lengths)])
     block_ids, labels, weights, anchor_pos, block_seq = (torch.cat(x) for x in zip(*block_parts, strict=True))
@@ -222,7 +243,6 @@ def make_packed_batch(
         anchor_pos = torch.cat([anchor_pos, torch.zeros(pad, dtype=torch.long)])
         block_seq = torch.cat([block_seq, torch.full((pad,), -1, dtype=torch.long)])
     return PackedBatch(
-        features=features,
         context_pos=context_pos,
         context_seq=context_seq,
         block_ids=block_ids,
@@ -230,36 +250,52 @@ def make_packed_batch(
         block_seq=block_seq,
         labels=labels,
         weights=weights,
-        feature_scales=feature_scales,
+        **packed_features,
     )
 
 
 def _pack_features(
     parts: list[list[Any]], lengths: list[int], feature_dtype: torch.dtype | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[T, K*H] features in one allocation (per-layer slices copied straight in); fp8 blocks pack as
-    uint8 bits plus [T, K] scales."""
-    fp8 = isinstance(parts[0][0], Fp8Block)
+) -> dict[str, Any]:
+    """[T, K*H] features in one allocation (per-layer slices copied straight in), as PackedBatch fields.
+    fp8 blocks pack as uint8 bits plus [T, K] scales; q blocks as int8 codes plus [T, K] token scales,
+    [T, K*G] group scales and one row of channel scales per sequence."""
+    first = parts[0][0]
+    kind = type(first) if isinstance(first, Fp8Block | QBlock) else torch.Tensor
     width = sum(f.shape[1] for f in parts[0])
-    total = sum(lengths)
-    if fp8:
-        features = torch.empty(total, width, dtype=torch.uint8)
-        scales = torch.empty(total, len(parts[0]), dtype=torch.float32)
+    total, k = sum(lengths), len(parts[0])
+    out: dict[str, Any] = {}
+    if kind is Fp8Block:
+        out["features"] = torch.empty(total, width, dtype=torch.uint8)
+        out["feature_scales"] = torch.empty(total, k, dtype=torch.float32)
+    elif kind is QBlock:
+        g = first.group_scales.shape[1]
+        out["features"] = torch.empty(total, width, dtype=torch.int8)
+        out["feature_scales"] = torch.empty(total, k, dtype=torch.float32)
+        out["feature_group_scales"] = torch.empty(total, k * g, dtype=torch.uint8)
+        out["feature_channel_scales"] = torch.empty(len(parts), width, dtype=torch.int8)
     else:
-        features, scales = torch.empty(total, width, dtype=feature_dtype or parts[0][0].dtype), None
+        out["features"] = torch.empty(total, width, dtype=feature_dtype or first.dtype)
     row = 0
-    for feats, s in zip(parts, lengths, strict=True):
+    for index, (feats, s) in enumerate(zip(parts, lengths, strict=True)):
         col = 0
+        rows = slice(row, row + s)
         for j, f in enumerate(feats):
-            if col + f.shape[1] > width or isinstance(f, Fp8Block) != fp8:
-                raise ValueError(f"features differ between sequences (expected {width} wide, fp8={fp8})")
-            if fp8:
-                features[row : row + s, col : col + f.shape[1]] = f.q
-                scales[row : row + s, j] = f.scale
+            cols = slice(col, col + f.shape[1])
+            if col + f.shape[1] > width or not isinstance(f, kind):
+                raise ValueError(f"features differ between sequences (expected {width} wide {kind.__name__})")
+            if kind is Fp8Block:
+                out["features"][rows, cols] = f.q
+                out["feature_scales"][rows, j] = f.scale
+            elif kind is QBlock:
+                out["features"][rows, cols] = f.codes
+                out["feature_scales"][rows, j] = f.token_scales
+                out["feature_group_scales"][rows, j * g : (j + 1) * g] = f.group_scales
+                out["feature_channel_scales"][index, cols] = f.channel_scales
             else:
-                features[row : row + s, col : col + f.shape[1]] = f
+                out["features"][rows, cols] = f
             col += f.shape[1]
         if col != width:
             raise ValueError(f"feature widths differ between sequences ({col} vs {width})")
         row += s
-    return features, scales
+    return out

@@ -248,6 +248,7 @@ RESUMABLE_KEYS = frozenset(
         "resume",
         "device",
         "attention",  # a kernel choice: both paths compute the same function
+        "compile",  # likewise
         "eval_every",
         "save_every",
         "log_every",

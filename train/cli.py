@@ -52,6 +52,12 @@ def _train_parser() -> argparse.ArgumentParser:
         "FlexAttention fails; dense or flex force one (flex: CUDA only, errors are fatal; the held-out "
         "decode walk still uses auto)",
     )
+    run.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        help="on CUDA (default on), torch.compile the drafter's norms, projections and MLPs and the loss "
+        "epilogue (see BENCHMARKS.md); a compile failure falls back to eager",
+    )
     run.add_argument("--eval-every", type=int, help="evaluate every N steps and at the end (0: never)")
     run.add_argument("--save-every", type=int, help="checkpoint every N steps (and at the end)")
     run.add_argument("--log-every", type=int, help="write metrics every N steps")

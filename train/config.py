@@ -137,6 +137,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     attention: str = "auto"
+    compile: bool = True  # CUDA only: torch.compile the drafter's regions and loss epilogue (same math)
     eval_every: int = 500
     save_every: int = 1000
     log_every: int = 10

@@ -55,7 +55,7 @@ class DataSpec:
     loader_threads: int = 4
     prefetch_batches: int = 8
     pad_blocks_to_multiple: int = 1
-    dequantize_on_device: bool | None = None  # fp8 stays fp8 until on the device (default: on CUDA)
+    dequantize_on_device: bool | None = None  # fp8/q stay undecoded until on the device (default: on CUDA)
 
     def __post_init__(self) -> None:
         if self.on_corrupt not in ("skip", "fail"):

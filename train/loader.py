@@ -7,9 +7,10 @@ Stages, each feeding the next through a bounded queue, all stopped by one event:
     build pool       anchors, blocks and packing on the CPU (`make_packed_batch`), then pinning (CUDA)
     copy thread      (CUDA only) host-to-device copy on a side stream, an event per batch
 
-An fp8 cache is read undecoded on CUDA (`dequantize=False`): batches carry fp8 bits and per-token scales,
-half the bytes of bf16 to pin and copy, and the copy thread dequantizes them on the GPU. The CPU's share
-is then decompression alone; its fp8-to-bf16 conversion capped the loader at ~31k tokens/s on 16 cores.
+An fp8 or q4/q6 cache is read undecoded on CUDA (`dequantize=False`): batches carry fp8 bits or int8 codes
+plus their scales, about half the bytes of bf16 to pin and copy, and the copy thread decodes them on the
+GPU. The CPU's share is then decompression alone; its fp8-to-bf16 conversion capped the loader at ~31k
+tokens/s on 16 cores.
     consumer         `iterate()`: yields (LoadedBatch, state_dict) in plan order
 
 The plan, the anchors (a generator seeded from (seed, epoch, batch)) and the corrupt-sample skips are
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from dflash.shards import Cache, Fp8Block, Sample
+from dflash.shards import Cache, Sample
 from dflash.shards.errors import ShardError
 from dflash.shards.layers import check_cached
 
@@ -106,9 +107,9 @@ class StreamingLoader:
             # A side thread starts on device 0, so the copier needs the concrete index.
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        # fp8 frames stay fp8 until the batch is on the device (default: on CUDA; tests force it on a CPU).
+        # fp8/q frames stay undecoded until the batch is on the device (default: on CUDA; tests force it on a CPU).
         on_device = device.type == "cuda" if spec.dequantize_on_device is None else spec.dequantize_on_device
-        self.fp8_on_device = on_device and cache.codec.name == "fp8"
+        self.decode_on_device = on_device and cache.codec.device_decode
         self.bad_shards: dict[str, str] = {}
         self.corrupt_messages: list[str] = []
         self._state = {"epoch": 0, "next_index": 0, "skipped_samples": 0}
@@ -177,7 +178,7 @@ class StreamingLoader:
     # --- stages ------------------------------------------------------------------------------------
 
     def _read(self, ref: SampleRef) -> Sample | ShardError:
-        return read_sample(self.cache, ref, self.spec, dequantize=not self.fp8_on_device)
+        return read_sample(self.cache, ref, self.spec, dequantize=not self.decode_on_device)
 
     def _build(self, job: _Job, reads: list[Future]) -> LoadedBatch:
         samples, skipped = [], 0
@@ -206,11 +207,10 @@ class StreamingLoader:
     def _filler(self) -> Sample:
         """A two-token sample with all layers zero: gives a rank with no data something to compute on."""
         width = self.cache.manifest.hidden_size
-        zeros = (
-            Fp8Block(q=torch.zeros(2, width, dtype=torch.uint8), scale=torch.ones(2))
-            if self.fp8_on_device
-            else torch.zeros(2, width, dtype=getattr(torch, self.cache.manifest.dtype))
-        )
+        zeros = torch.zeros(2, width, dtype=getattr(torch, self.cache.manifest.dtype))
+        if self.decode_on_device:  # the codec's own undecoded form of zeros
+            codec = self.cache.codec
+            zeros = codec.decode_block(codec.encode(zeros), (2, width))
         return Sample(
             row=-1,
             input_ids=torch.zeros(2, dtype=torch.long),

@@ -1,32 +1,92 @@
 """Weighted cross-entropy through the frozen lm_head without holding all logits, plus training statistics.
 
 Public API (stable):
-    linear_cross_entropy(hidden[R, H], lm_head_weight[V, H], labels[R], weights[R], *, chunk_rows=2048,
-                         normalizer=None) -> (loss, argmax[R])
+    linear_cross_entropy(hidden[R, H], lm_head_weight[V, H], labels[R], weights[R], *, chunk_rows=None,
+                         normalizer=None, compile_backend=None) -> (loss, argmax[R])
         loss = sum_r weights[r] * CE(hidden[r] @ W.T, labels[r]) / normalizer (default: sum of weights).
-        Logits exist for `chunk_rows` rows at a time. The gradient w.r.t. `hidden` is computed in the same
-        chunk pass (the lm_head is frozen, so it is the only gradient) and kept ([R, H], small); backward
-        only scales it. Peak extra memory ~ chunk_rows x V x 6 bytes, independent of R.
-    drafter_loss(model, frozen, batch, *, chunk_rows=2048, attn_mask=None, normalizer=None,
+        Logits exist for one chunk of rows at a time (`chunk_rows`, or None: equal chunks of at most
+        LOGIT_CHUNK_ELEMENTS logits). The gradient w.r.t. `hidden` is computed in the same chunk pass (the
+        lm_head is frozen, so it is the only gradient) and kept ([R, H], small); backward only scales it.
+        Per chunk the CE terms (`chunk_terms`) run eagerly in place (peak ~ chunk x V x 6 bytes) or, with
+        `compile_backend`, compiled into two fused passes over the bf16 logits.
+    drafter_loss(model, frozen, batch, *, chunk_rows=None, attn_mask=None, normalizer=None,
                  feature_noise_std=0.0, generator=None) -> (loss, LossStats)
+        the loss epilogue is compiled when the model's regions are (`compiled.speed_up`).
     LossStats: per-slot accuracy counts and acceptance tallies as device tensors (no host sync);
         `.merge(other)`, `.tensors()` for all-reduce, `.summary() -> dict[str, float]`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .acceptance import accepted_lengths
+from .compiled import loss_epilogue, regions_backend
 
 if TYPE_CHECKING:
     from .blocks import PackedBatch
     from .frozen import FrozenTarget
     from .mask import AttentionMask
     from .model import DFlashDrafter
+
+
+# Auto chunking keeps a chunk's logits at or under this many elements (Qwen3's 151,936-entry vocab: 1,766 rows,
+# 512 MiB of bf16 logits) in near-equal chunks, so a compiled epilogue sees one or two shapes (a Qwen3-8B step's
+# 7,680 rows: five of 1,536), not a remainder of every size; a small vocabulary is a single chunk.
+LOGIT_CHUNK_ELEMENTS = 2**28
+
+
+def chunk_bounds(rows: int, vocab: int, chunk_rows: int | None) -> list[tuple[int, int]]:
+    """(start, end) row ranges: `chunk_rows` at a time, or (None) equal chunks of at most
+    LOGIT_CHUNK_ELEMENTS logits each."""
+    if chunk_rows is None:
+        count = max(1, -(-rows * vocab // LOGIT_CHUNK_ELEMENTS))
+        chunk_rows = max(1, -(-rows // count))
+    return [(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows)]
+
+
+def _row_terms(
+    x: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp per row, sum of scale * CE, argmax) of fp32 logits x."""
+    lse = torch.logsumexp(x, dim=-1)
+    target = x.gather(1, labels[:, None]).squeeze(1)
+    return lse, ((lse - target) * scale).sum(), x.argmax(dim=-1)
+
+
+def chunk_terms(
+    logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk's (sum of scale * CE, argmax, d loss / d logits in the logits' dtype or None).
+
+    Written out of place for torch.compile (`compiled.loss_epilogue`), which fuses it into two passes over
+    the logits; eagerly it computes exactly what `_chunk_terms_in_place` does, in more memory."""
+    x = logits.float()
+    lse, loss_sum, preds = _row_terms(x, labels, scale)
+    if not need_grad:
+        return loss_sum, preds, None
+    probs = torch.exp(x - lse[:, None])
+    is_label = torch.arange(x.shape[1], device=x.device) == labels[:, None]
+    grad = torch.where(is_label, probs - 1.0, probs) * scale[:, None]  # softmax - onehot, weighted
+    return loss_sum, preds, grad.to(logits.dtype)
+
+
+def _chunk_terms_in_place(
+    logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`chunk_terms` for eager runs: one fp32 copy of the logits, reused for the gradient."""
+    x = logits.float()
+    lse, loss_sum, preds = _row_terms(x, labels, scale)
+    if not need_grad:
+        return loss_sum, preds, None
+    probs = x.sub_(lse[:, None]).exp_()
+    probs.scatter_add_(1, labels[:, None], -torch.ones_like(lse[:, None]))
+    probs.mul_(scale[:, None])
+    return loss_sum, preds, probs.to(logits.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -37,9 +97,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         weight: torch.Tensor,
         labels: torch.Tensor,
         row_weights: torch.Tensor,
-        normalizer: torch.Tensor,
-        chunk_rows: int,
+        normalizer: torch.Tensor | float,
+        chunk_rows: int | None,
         need_grad: bool,
+        terms: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = hidden.shape[0]
         hidden_c = hidden.to(weight.dtype)
@@ -47,20 +108,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         preds = torch.empty(rows, dtype=torch.long, device=hidden.device)
         grad = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
         scale = row_weights.float() / normalizer
-        for start in range(0, rows, chunk_rows):
-            end = min(start + chunk_rows, rows)
-            logits = (hidden_c[start:end] @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(1, labels[start:end, None]).squeeze(1)
-            total += ((lse - target) * scale[start:end]).sum()
-            preds[start:end] = logits.argmax(dim=-1)
+        for start, end in chunk_bounds(rows, weight.shape[0], chunk_rows):
+            # The lm_head is frozen: d loss / d hidden is the only gradient, computed here while the chunk's
+            # logits exist (no recomputation in backward).
+            logits = hidden_c[start:end] @ weight.t()
+            loss_sum, preds[start:end], grad_logits = terms(
+                logits, labels[start:end], scale[start:end], grad is not None
+            )
+            total += loss_sum
             if grad is not None:
-                # d CE / d logits = softmax - onehot; reuse the logits buffer for it.
-                probs = logits.sub_(lse[:, None]).exp_()
-                probs.scatter_add_(1, labels[start:end, None], -torch.ones_like(lse[:, None]))
-                probs.mul_(scale[start:end, None])
-                grad[start:end] = probs.to(weight.dtype) @ weight
-            del logits
+                grad[start:end] = grad_logits @ weight
+            del logits, grad_logits
         ctx.mark_non_differentiable(preds)
         ctx.save_for_backward(grad if grad is not None else torch.empty(0))
         ctx.hidden_dtype = hidden.dtype
@@ -72,7 +130,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad.numel() == 0 and ctx.needs_input_grad[0]:
             raise RuntimeError("linear_cross_entropy: the gradient was not computed in forward")
         grad_hidden = (grad * grad_loss).to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
-        return grad_hidden, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -81,23 +139,30 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     weights: torch.Tensor,
     *,
-    chunk_rows: int = 2048,
+    chunk_rows: int | None = None,
     normalizer: torch.Tensor | float | None = None,
+    compile_backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted mean CE, argmax per row); see the module docstring. `lm_head_weight` gets no gradient."""
-    if chunk_rows < 1:
+    if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if hidden.ndim != 2 or lm_head_weight.ndim != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and lm_head {tuple(lm_head_weight.shape)} do not match"
         )
+    # A float stays a float: a device tensor made from it would be a host-to-device copy that waits for the
+    # GPU to drain (one sync per step).
     if normalizer is None:
         normalizer = weights.float().sum()
-    norm = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp_min(1e-12)
-    need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    return _LinearCrossEntropy.apply(
-        hidden, lm_head_weight.detach(), labels.long(), weights, norm, chunk_rows, need_grad
+    norm = (
+        normalizer.float().clamp_min(1e-12) if torch.is_tensor(normalizer) else max(float(normalizer), 1e-12)
     )
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    terms = _chunk_terms_in_place if compile_backend is None else loss_epilogue(compile_backend)
+    with torch.profiler.record_function("dflash::lm_head_loss"):  # a name for profiles (bench_train_step)
+        return _LinearCrossEntropy.apply(
+            hidden, lm_head_weight.detach(), labels.long(), weights, norm, chunk_rows, need_grad, terms
+        )
 
 
 @dataclass(slots=True)
@@ -137,7 +202,7 @@ def drafter_loss(
     frozen: FrozenTarget,
     batch: PackedBatch,
     *,
-    chunk_rows: int = 2048,
+    chunk_rows: int | None = None,
     attn_mask: AttentionMask | None = None,
     normalizer: torch.Tensor | float | None = None,
     feature_noise_std: float = 0.0,
@@ -162,6 +227,7 @@ def drafter_loss(
         weights,
         chunk_rows=chunk_rows,
         normalizer=weight_sum if normalizer is None else normalizer,
+        compile_backend=regions_backend(model),
     )
     with torch.no_grad():
         preds = preds.view(n, b - 1)
@@ -170,17 +236,18 @@ def drafter_loss(
         zero = torch.zeros(1, device=hidden.device)
         slot_correct = torch.cat([zero, correct.float().sum(0)])
         slot_valid = torch.cat([zero, valid.float().sum(0)])
-        real = batch.block_seq >= 0
-        accepted = accepted_lengths(preds, batch.labels[:, 1:], valid)[real]
+        # Padding blocks are weighted out, not indexed out: boolean indexing would wait for the GPU.
+        real = (batch.block_seq >= 0).float()
+        accepted = accepted_lengths(preds, batch.labels[:, 1:], valid)
         ks = torch.arange(b, device=hidden.device)
-        accept_at_least = (accepted[:, None] >= ks).float().sum(0)
-        norm_used = weight_sum if normalizer is None else torch.as_tensor(normalizer, device=hidden.device)
+        accept_at_least = ((accepted[:, None] >= ks).float() * real[:, None]).sum(0)
+        norm_used = weight_sum if normalizer is None else normalizer
         stats = LossStats(
-            loss_sum=loss.detach().float() * norm_used.float(),
+            loss_sum=loss.detach().float() * norm_used,
             weight_sum=weight_sum,
             slot_correct=slot_correct,
             slot_valid=slot_valid,
             accept_at_least=accept_at_least,
-            accept_len_sum=(accepted + 1).float().sum(),
+            accept_len_sum=((accepted + 1).float() * real).sum(),
         )
     return loss, stats

@@ -9,6 +9,8 @@ Public API (stable):
     dense_mask(batch) -> BoolTensor[N*B, T+N*B]              the rule evaluated densely (CPU, test oracle)
     DenseMask(allowed).attend(q, k, v, scale)               SDPA with a boolean mask
     FlexMask(block_mask).attend(q, k, v, scale)             FlexAttention (compiled on CUDA), no dense S x S
+        FlexMask.from_batch(batch)   BlockMask read off the pack layout (`block_mask.py`): no compile, no sync
+        FlexMask.from_rule(batch)    the same BlockMask from create_block_mask over `mask_mod_for` (reference)
     build_attention_mask(batch, backend="auto") -> DenseMask | FlexMask   (see `choose_backend`)
     choose_backend(batch, backend="auto") -> "dense" | "flex"   the rule "auto" follows
         visible_pairs(batch) -> int                             allowed (query, key) pairs (for FLOP counts)
@@ -17,7 +19,6 @@ q: [1, Hq, M, D], k/v: [1, Hkv, T+M, D] (GQA handled inside), output [1, Hq, M, 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from .block_mask import KeyIntervals, layout_block_mask
+from .compiled import compile_backward_now
 from .config import ATTENTION_CHOICES
 
 if TYPE_CHECKING:
@@ -89,13 +92,16 @@ class DenseMask:
 
     @classmethod
     def from_batch(cls, batch: PackedBatch) -> DenseMask:
-        allowed = dense_mask(batch)
+        """`dense_mask(batch)` evaluated from the layout's key intervals: the same mask, no host sync."""
+        m, t = batch.num_blocks * batch.block_size, batch.num_context_tokens
+        device = batch.block_seq.device
+        rows = torch.arange(m, device=device)
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        allowed = KeyIntervals.of(batch).mask_mod()(
+            zero, zero, rows[:, None], torch.arange(t + m, device=device)
+        )
         empty = ~allowed.any(dim=1)
-        if bool(empty.any()):
-            m, t = allowed.shape[0], batch.num_context_tokens
-            rows = torch.arange(m, device=allowed.device)
-            allowed = allowed.clone()
-            allowed[rows[empty], t + rows[empty]] = True
+        allowed[rows, t + rows] |= empty
         return cls(allowed=allowed, empty_rows=empty)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -120,16 +126,6 @@ def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
         log.info("compiling FlexAttention (the first steps take longer)")
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
-
-
-def _compile_backward_now() -> contextlib.AbstractContextManager[object]:
-    """Make torch.compile lower the backward while the forward compiles. By default the backward is lowered
-    lazily, at the first backward() of each new (often dynamic-shape) graph, where a lowering error can
-    neither be caught here nor fall back; forced, it surfaces inside `attend`."""
-    config = torch._functorch.config
-    if hasattr(config, "force_non_lazy_backward_lowering"):
-        return config.patch(force_non_lazy_backward_lowering=True)
-    return contextlib.nullcontext()
 
 
 def _disable_flex(exc: BaseException) -> None:
@@ -160,6 +156,15 @@ class FlexMask:
 
     @classmethod
     def from_batch(cls, batch: PackedBatch, block: int = 128, *, fallback_to_dense: bool = False) -> FlexMask:
+        """The BlockMask from the pack's layout (a few small kernels on the batch's device)."""
+        return cls(
+            block_mask=layout_block_mask(batch, block),
+            fallback_batch=batch if fallback_to_dense else None,
+        )
+
+    @classmethod
+    def from_rule(cls, batch: PackedBatch, block: int = 128, *, fallback_to_dense: bool = False) -> FlexMask:
+        """The BlockMask from create_block_mask evaluating `mask_mod_for` on every pair (compiled on CUDA)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         m = batch.num_blocks * batch.block_size
@@ -181,7 +186,7 @@ class FlexMask:
             return self._flex(q, k, v, scale)
         if _flex_failure is None:
             try:
-                with _compile_backward_now():
+                with compile_backward_now():
                     return self._flex(q, k, v, scale)
             except torch.OutOfMemoryError:
                 raise  # the dense path needs more memory, not less

@@ -16,7 +16,7 @@ The semantics follow the DFlash paper (arXiv 2602.06036) and the authors' releas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -200,6 +200,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """The projections and norms of one layer's attention; `DecoderLayer` calls `project`, the mask's
+    `attend`, then `output` (the kernel call sits between two separately compilable parts)."""
+
     def __init__(self, config: DrafterConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
@@ -215,15 +218,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def forward(
+    def project(
         self,
         x: torch.Tensor,
         context: torch.Tensor,
         rope_blocks: tuple[torch.Tensor, torch.Tensor],
         rope_context: tuple[torch.Tensor, torch.Tensor],
-        attn_mask: AttentionMask,
-    ) -> torch.Tensor:
-        """x: normed block tokens [M, H]; context: fused target features [T, H]. Returns [M, H]."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [1, heads, M, D] for the block tokens x [M, H]; k, v [1, kv_heads, T+M, D] for [context | blocks]."""
         m, t, d = x.shape[0], context.shape[0], self.head_dim
         q = apply_rope(self.q_norm(self.q_proj(x).view(m, self.num_heads, d)), *rope_blocks)
         # Context keys/values come from THIS layer's projections of the shared fused vectors (KV injection).
@@ -234,9 +236,12 @@ class Attention(nn.Module):
         k = torch.cat([k_ctx, k_blk], dim=0).transpose(0, 1)[None]
         v = torch.cat([v_ctx, v_blk], dim=0).transpose(0, 1)[None]
         # Under autocast the fp32 norm weights promote q/k to fp32 while v is bf16; kernels want one dtype.
-        q, k = q.to(v.dtype), k.to(v.dtype)
-        out = attn_mask.attend(q.transpose(0, 1)[None], k, v, scale=d**-0.5)  # [1, heads, M, D]
-        return self.o_proj(out[0].transpose(0, 1).reshape(m, self.num_heads * d))
+        return q.to(v.dtype).transpose(0, 1)[None], k.to(v.dtype), v
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """[1, heads, M, D] attention output -> [M, H]."""
+        m = attended.shape[2]
+        return self.o_proj(attended[0].transpose(0, 1).reshape(m, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -259,6 +264,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
+    # The layer runs as three parts so that the two around attention can be compiled on their own
+    # (`train/compiled.py`) while attention itself stays behind the `AttentionMask` with its fallback.
+    def attention_inputs(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        rope_blocks: tuple[torch.Tensor, torch.Tensor],
+        rope_context: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.project(self.input_layernorm(x), context, rope_blocks, rope_context)
+
+    def attention_output_and_mlp(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.output(attended)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -266,9 +286,12 @@ class DecoderLayer(nn.Module):
         rope_blocks: tuple[torch.Tensor, torch.Tensor],
         rope_context: tuple[torch.Tensor, torch.Tensor],
         attn_mask: AttentionMask,
+        regions: Regions | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, rope_blocks, rope_context, attn_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        parts = regions or EAGER_REGIONS
+        q, k, v = parts.attention_inputs(self, x, context, rope_blocks, rope_context)
+        attended = attn_mask.attend(q, k, v, scale=self.self_attn.head_dim**-0.5)
+        return parts.attention_output_and_mlp(self, x, attended)
 
 
 class DFlashDrafter(nn.Module):
@@ -283,6 +306,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
+        # Plain methods by default; `train/compiled.py` installs compiled versions (not part of state_dict).
+        self.regions: Regions = EAGER_REGIONS
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -298,6 +323,9 @@ class DFlashDrafter(nn.Module):
         if not torch.is_autocast_enabled(features.device.type):  # autocast casts inside fc; no fp32 copy
             features = features.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(features))
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
 
     def forward(
         self, batch: PackedBatch, block_embeds: torch.Tensor, attn_mask: AttentionMask | None = None
@@ -315,18 +343,42 @@ class DFlashDrafter(nn.Module):
         if block_embeds.shape[:2] != (n, b):
             raise ValueError(f"block_embeds has shape {tuple(block_embeds.shape)}, expected ({n}, {b}, H)")
         dtype = self.fc.weight.dtype
-        context = self.fuse_features(batch.features)
+        # Compiled regions serve training steps; evaluation (no grad, shapes of its own) stays eager.
+        regions = self.regions if torch.is_grad_enabled() else EAGER_REGIONS
+        context = regions.fuse_features(self, batch.features)
         slots = torch.arange(b, device=batch.anchor_pos.device)
         block_pos = (batch.anchor_pos[:, None] + slots).reshape(-1)
         rope_blocks = self.rotary(block_pos, dtype)
         rope_context = self.rotary(batch.context_pos, dtype)
         x = block_embeds.reshape(n * b, -1).to(dtype)
         for layer in self.layers:
-            x = layer(x, context, rope_blocks, rope_context, attn_mask)
-        return self.norm(x).view(n, b, -1)
+            x = layer(x, context, rope_blocks, rope_context, attn_mask, regions)
+        return regions.final_norm(self, x).view(n, b, -1)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+@dataclass(frozen=True, slots=True)
+class Regions:
+    """The functions `DFlashDrafter.forward` runs around attention, each called with its module first.
+
+    All the drafter's work except attention and RoPE tables: `train/compiled.py` compiles these four (one
+    compiled function serves every layer) while attention keeps its own kernel choice and fallback."""
+
+    fuse_features: Callable[[DFlashDrafter, torch.Tensor], torch.Tensor]
+    attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    attention_output_and_mlp: Callable[[DecoderLayer, torch.Tensor, torch.Tensor], torch.Tensor]
+    final_norm: Callable[[DFlashDrafter, torch.Tensor], torch.Tensor]
+    backend: str | None = None  # the torch.compile backend of these functions; None: the plain methods
+
+
+EAGER_REGIONS = Regions(
+    fuse_features=DFlashDrafter.fuse_features,
+    attention_inputs=DecoderLayer.attention_inputs,
+    attention_output_and_mlp=DecoderLayer.attention_output_and_mlp,
+    final_norm=DFlashDrafter.final_norm,
+)
 
 
 def flops_per_step(

@@ -29,6 +29,7 @@ from dflash.shards.outdir import claim_out_dir
 
 from . import checkpoint as ckpt
 from .cache_checks import check_cache
+from .compiled import speed_up
 from .config import TrainConfig, estimate_total_steps, lr_at
 from .data_spec import DataSpec, read_eval_rows
 from .evaluate import EvalSet, build_eval_set, evaluate
@@ -101,6 +102,7 @@ class Trainer:
         # master weights, bf16 compute via autocast on CUDA.
         with device:
             self.model = DFlashDrafter(drafter_cfg)
+        speed_up(self.model, cfg.compile)  # compiled regions and loss epilogue on CUDA (issue 13)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.optimizer = torch.optim.AdamW(

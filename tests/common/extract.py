@@ -82,7 +82,8 @@ def samples_by_row(cache_dir: Path) -> dict[int, object]:
 # --- forking launcher for the SIGKILL and multi-process tests ---------------------------------------
 # `python -m tests.common.extract` imports torch/transformers/dflash ONCE, runs no torch op itself (so
 # forking is safe: no OpenMP pool exists yet), and then serves JSON requests on stdin, one per line:
-#   {"op": "run", "spec": {...make_config kwargs...}, "delay": s, "env": {...}, "log": path} -> {"pid": N}
+#   {"op": "run", "spec": {...make_config kwargs...}, "delay": s, "env": {...}, "log": path,
+#    "publish_delay": s, "marker": path} -> {"pid": N}
 #   {"op": "poll", "pid": N} -> {"code": int | null}      {"op": "wait", "pid": N} -> {"code": int}
 # Each run is a forked child that extracts and exits (0 when this rank saw the cache complete or is not
 # rank 0, 3 otherwise); a child killed by a signal reports -signum. Test processes pay the imports once.
@@ -106,6 +107,18 @@ def _run_child(request: dict) -> int:
             return step(self, item)
 
         stages.GpuStep.__call__ = slow_step
+    publish_delay = float(request.get("publish_delay", 0.0))
+    if publish_delay:  # every commit stays in flight a while, announced by a marker file
+        from dflash.shards import writer
+
+        publish = writer.ShardWriter.publish
+
+        def slow_publish(self):
+            Path(request["marker"]).write_text(self.path.name)
+            time.sleep(publish_delay)
+            return publish(self)
+
+        writer.ShardWriter.publish = slow_publish
     spec = dict(request["spec"])
     unit_bytes = spec.pop("unit_bytes", None)
     cfg = make_config(
@@ -205,6 +218,8 @@ class Launcher:
         env: dict | None = None,
         log: str | None = None,
         takeover_grace_s: float = 60.0,
+        publish_delay: float = 0.0,
+        marker: str | None = None,
     ) -> int:
         req = {
             "op": "run",
@@ -212,6 +227,8 @@ class Launcher:
             "delay": delay,
             "env": env or {},
             "takeover_grace_s": takeover_grace_s,
+            "publish_delay": publish_delay,
+            "marker": marker,
         }
         if log:
             req["log"] = log

@@ -1,0 +1,72 @@
+"""What each codec costs, measured: stored size, reconstruction error and the drafter's acceptance (tau).
+
+Pure data (no torch) for the size estimates of `dflash-extract --dry-run` / `dflash-shards plan` and the
+codec table they print, so users choose a codec knowingly.
+
+- `ratio`, `rel_error`: bench/bench_codecs.py on LLM-like bf16 states (5 layers x [4096, 4096]): raw bf16
+  bytes / stored feature bytes, and ||decoded - x|| / ||x|| over typical channels (the 1% largest
+  channels left out: they would hide the error of all the others).
+- `tau_delta`, `tau_spread`, `tau_seeds`: bench/bench_quality.py on the GPU box (a trained LM as target):
+  the drafter's mean tau from this codec's cache relative to the lossless cache's (e.g. -0.012 = 1.2%
+  lower), its spread over `tau_seeds` seeds. None until measured; the tables then say "not measured".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CodecCost:
+    ratio: float  # raw bf16 bytes / stored feature bytes
+    scale_bytes: int  # stored per (token, layer) on top of raw / ratio
+    rel_error: float
+    tau_delta: float | None = None
+    tau_spread: float | None = None
+    tau_seeds: int = 0
+
+    def tau_text(self) -> str:
+        if self.rel_error == 0:
+            return "0 (exact: the reference)"
+        if self.tau_delta is None:
+            return "not measured"
+        spread = f" +- {100 * self.tau_spread:.1f}%" if self.tau_spread is not None else ""
+        return f"{100 * self.tau_delta:+.1f}%{spread} ({self.tau_seeds} seeds)"
+
+
+# In the order users choose from: exact first, then smaller and lossier.
+CODEC_COSTS: dict[str, CodecCost] = {
+    "lossless": CodecCost(ratio=1.42, scale_bytes=0, rel_error=0.0),
+    "fp8": CodecCost(ratio=2.3, scale_bytes=4, rel_error=0.027),
+    "q6": CodecCost(ratio=2.72, scale_bytes=0, rel_error=0.023),
+    "q4": CodecCost(ratio=4.25, scale_bytes=0, rel_error=0.10),
+}
+
+
+def codec_table(estimate: dict[str, int]) -> dict[str, dict]:
+    """Per codec: estimated cache bytes, measured relative error and drafter tau cost (shards/codec_costs.py)."""
+    table = {
+        "raw": {"bytes": estimate["raw"], "rel_error": 0.0, "tau_delta": 0.0, "tau": "exact (not a codec)"}
+    }
+    for name, cost in CODEC_COSTS.items():
+        table[name] = {
+            "bytes": estimate[name],
+            "rel_error": cost.rel_error,
+            "tau_delta": cost.tau_delta,
+            "tau_spread": cost.tau_spread,
+            "tau_seeds": cost.tau_seeds,
+            "tau": cost.tau_text(),
+        }
+    return table
+
+
+def format_codec_table(table: dict[str, dict], chosen: str, size: Callable[[float], str]) -> str:
+    """The cache size per codec with what each one costs (`*` marks the chosen codec)."""
+    lines = [f"{'codec':<10}{'cache size':>12}{'rel. error':>12}   tau vs lossless (bench_quality)"]
+    for name, row in table.items():
+        mark = " *" if name == chosen else ""
+        lines.append(
+            f"{name + mark:<10}{size(row['bytes']):>12}{100 * row['rel_error']:>11.1f}%   {row['tau']}"
+        )
+    return "\n".join(lines)

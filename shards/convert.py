@@ -1,0 +1,264 @@
+"""Re-encode a complete cache with another codec (lossless -> fp8 -> q6 -> q4) without the target.
+
+    convert_cache(ConvertConfig(source=CACHE, out=NEW, codec="q4")) -> ConvertResult
+
+Shard for shard, sample for sample, in the source's order: NEW/shards/shard-NNNNNN.dfs holds exactly the
+rows of CACHE's shard of the same name, every layer decoded to bfloat16 and encoded again (on `device`
+for the quantizing codecs, like the extractor). Resumable and checked like an extraction:
+
+- NEW follows the `--out` rule of every dflash command (`outdir.claim_out_dir`: new, empty or a dflash
+  cache, never inside a cache), claimed before anything is created or deleted in it;
+- NEW/.lock (fcntl, opened without following links) keeps a second converter out; NEW/manifest.json (complete=false) is written first
+  with the source's provenance and the new codec, and a re-run whose settings differ is refused naming
+  the field (`codec.name: 'q4' != 'fp8'`, or `options.converted_from...` for another source cache);
+- committed shards are kept (after their footer and index checksum read back and their rows agree
+  with the source), temp files of a killed run are removed and their shards redone;
+- shards are published (fsync, rename) by the writer's Committer while the next one is encoded;
+- NEW/target/ (config, frozen embed/lm_head, tokenizer) is copied whole or not at all;
+- the complete manifest, listing every shard, is written last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .atomic import commit_dir, discard, fresh_temp_dir
+from .codecs import Codec, codec_names, get_codec
+from .errors import ShardError
+from .manifest import Manifest, ShardInfo, load_manifest, refuse_other_settings, save_manifest
+from .outdir import claim_out_dir
+from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
+from .reader import Cache, ShardReader
+from .safe_io import open_nofollow
+from .target_parts import check_target_parts, stale_target_dirs, target_dir
+from .writer import Committer, EncodedSample, ShardMeta, ShardWriter, encode_sample, stale_temp_files
+
+
+@dataclass(kw_only=True, slots=True)
+class ConvertConfig:
+    source: Path
+    out: Path
+    codec: str
+    threads: int = 0  # encode threads; 0: one per CPU core
+    device: str = "cpu"  # where fp8/q4/q6 quantize (cuda: like the extractor)
+
+    def __post_init__(self) -> None:
+        self.source, self.out = Path(self.source), Path(self.out)
+        if self.codec not in codec_names():
+            raise ValueError(f"--codec must be one of {', '.join(codec_names())}; got {self.codec!r}")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0 (0: one per core), got {self.threads}")
+        if self.source.resolve() == self.out.resolve():
+            raise ValueError(f"--out {self.out} is the source cache: convert writes a new cache beside it")
+
+
+@dataclass(kw_only=True, slots=True)
+class ConvertResult:
+    out: Path
+    codec: str
+    shards: int
+    converted: int  # shards written by this run (the others were committed before)
+    rows: int
+    raw_bytes: int  # bf16 bytes of the converted layers (what the bench's GB/s counts)
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__slots__}
+        d["out"] = str(self.out)
+        d["gb_per_s"] = self.raw_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return d
+
+
+def converted_manifest(source: Manifest, codec: Codec) -> Manifest:
+    """The new cache's provenance: the source's, with the new codec and a record of the conversion."""
+    m = Manifest.from_dict(source.to_dict())
+    listing = json.dumps([s.to_dict() for s in source.shards], sort_keys=True).encode()
+    step = {"codec": source.codec, "shards_sha256": hashlib.sha256(listing).hexdigest()}
+    m.options = {**m.options, "converted_from": [*m.options.get("converted_from", []), step]}
+    m.codec = codec.to_dict()
+    m.dtype = codec.stored_dtype(source.dtype)
+    m.complete, m.shards = False, []
+    return m
+
+
+class _Lock:
+    """NEW/.lock held (fcntl, exclusive) for the whole conversion."""
+
+    def __init__(self, path: Path):
+        self._fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)  # a planted link is refused, not followed
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._fd)
+            raise ShardError(
+                f"{path.parent} is being written by another process (lock {path.name})"
+            ) from None
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            fcntl.lockf(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+
+def _start(out: Path, expected: Manifest) -> None:
+    """Write the incomplete manifest, or check an existing one against `expected` (resume)."""
+    if os.path.lexists(out / MANIFEST_NAME):
+        refuse_other_settings(
+            load_manifest(out), expected, f"{out} was converted with other settings or from another cache"
+        )
+        return
+    others = [p.name for p in out.iterdir() if not p.name.startswith(".")]
+    if others:
+        raise ValueError(f"{out} is not empty ({', '.join(sorted(others)[:5])}) and has no manifest.json")
+    save_manifest(out, expected)
+
+
+def _copy_target(source: Path, out: Path) -> None:
+    """CACHE/target/ -> NEW/target/ whole or not at all, then checked as extraction checks it."""
+    final = target_dir(out)
+    if not final.is_dir():
+        tmp = fresh_temp_dir(final)  # a link planted under the temp name is removed, never followed
+        try:
+            shutil.copytree(target_dir(source), tmp, dirs_exist_ok=True)
+            commit_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    check_target_parts(out)
+
+
+def _committed_info(path: Path, source: ShardInfo) -> ShardInfo | None:
+    """A committed output shard's info if it reads back (footer, index checksum) and holds the source
+    shard's rows and tokens; None otherwise."""
+    try:
+        with ShardReader.open(path) as r:
+            info = r.info()
+    except (ShardError, OSError):
+        return None
+    same = (info.rows, info.tokens, info.supervised) == (source.rows, source.tokens, source.supervised)
+    return info if same else None
+
+
+def _encode(reader: ShardReader, i: int, codec: Codec, device: torch.device) -> tuple[EncodedSample, int]:
+    sample = reader.read(i)
+    layers = [sample.hidden[layer].to(device) for layer in reader.layers]
+    raw = sum(x.numel() * 2 for x in layers)
+    return encode_sample(codec, sample.row, sample.input_ids, sample.loss_mask, layers), raw
+
+
+def _convert_shard(
+    reader: ShardReader, path: Path, codec: Codec, pool: ThreadPoolExecutor, window: int, device: torch.device
+) -> tuple[ShardWriter, int]:
+    """Stream one shard's samples through the pool (at most `window` in flight), in order, into a writer."""
+    meta = ShardMeta(
+        codec=codec,
+        layers=reader.layers,
+        hidden_size=reader.hidden_size,
+        dtype=codec.stored_dtype(reader.dtype),
+        extra=reader.meta,
+    )
+    writer = ShardWriter(path, meta)
+    raw = 0
+    pending: deque[Future] = deque()
+    try:
+        for i in range(len(reader)):
+            pending.append(pool.submit(_encode, reader, i, codec, device))
+            if len(pending) >= window:
+                sample, n = pending.popleft().result()
+                writer.append(sample)
+                raw += n
+        while pending:
+            sample, n = pending.popleft().result()
+            writer.append(sample)
+            raw += n
+        writer.finish()
+    except BaseException:
+        for f in pending:
+            f.cancel()
+        writer.abort()
+        raise
+    return writer, raw
+
+
+def convert_cache(config: ConvertConfig) -> ConvertResult:
+    """Convert (or resume converting) `config.source` into `config.out`; see the module docstring."""
+    t0 = time.perf_counter()
+    codec = get_codec(config.codec)
+    device = torch.device(config.device)
+    with Cache.open(config.source) as source:
+        if codec == source.codec:
+            raise ValueError(f"{config.source} is already stored with codec {config.codec!r}")
+        check_target_parts(config.source)  # training needs them: refuse a source without before any work
+        expected = converted_manifest(source.manifest, codec)
+        claim_out_dir(config.out, "cache")  # the --out rule, before anything is created or deleted
+        lock = _Lock(config.out / LOCK_NAME)
+        try:
+            _start(config.out, expected)
+            shard_dir = config.out / SHARDS_DIR
+            shard_dir.mkdir(exist_ok=True)
+            for stale in stale_temp_files(shard_dir):
+                stale.unlink(missing_ok=True)
+            for stale in stale_target_dirs(config.out):
+                discard(stale)
+            _copy_target(config.source, config.out)
+            threads = config.threads or max(1, os.cpu_count() or 1)
+            converted, raw = 0, 0
+            with (
+                ThreadPoolExecutor(threads, thread_name_prefix="dflash-convert") as pool,
+                Committer() as committer,
+            ):
+                for info in source.shard_infos:
+                    path = shard_dir / info.name
+                    if path.exists():
+                        if _committed_info(path, info) is not None:
+                            continue
+                        path.unlink()  # unreadable or not the source's rows: redone
+                    writer, n = _convert_shard(
+                        source.shard(info.name), path, codec, pool, 2 * threads, device
+                    )
+                    committer.submit(writer)
+                    converted, raw = converted + 1, raw + n
+                committer.drain()
+            infos = _finalize(config.out, expected, source.shard_infos)
+        finally:
+            lock.release()
+    return ConvertResult(
+        out=config.out,
+        codec=config.codec,
+        shards=len(infos),
+        converted=converted,
+        rows=sum(i.rows for i in infos),
+        raw_bytes=raw,
+        bytes_in=sum(i.bytes for i in source.shard_infos),
+        bytes_out=sum(i.bytes for i in infos),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _finalize(out: Path, expected: Manifest, source_infos: list[ShardInfo]) -> list[ShardInfo]:
+    """Every output shard read back and matched against its source; then the complete manifest, last."""
+    infos = []
+    for src in source_infos:
+        info = _committed_info(out / SHARDS_DIR / src.name, src)
+        if info is None:
+            raise ShardError(f"{out / SHARDS_DIR / src.name}: does not hold the rows of the source shard")
+        infos.append(info)
+    m = Manifest.from_dict(expected.to_dict())
+    m.shards, m.complete = infos, True
+    save_manifest(out, m)
+    return infos

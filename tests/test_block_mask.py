@@ -1,0 +1,88 @@
+"""Masks read off the pack layout equal the rule: the BlockMask tile for tile, the dense mask pair for pair."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from dflash.train.block_mask import KeyIntervals
+from dflash.train.blocks import SequenceInput, make_packed_batch
+from dflash.train.mask import DenseMask, FlexMask, dense_mask
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _pack(lengths, num_anchors, block_size, pad, seed):
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [
+        SequenceInput(
+            torch.randint(0, 60, (s,), generator=gen),
+            torch.rand(s, generator=gen) > 0.3,  # gaps in the loss mask: anchors anywhere, some blocks short
+            torch.randn(s, 4, generator=gen),
+        )
+        for s in lengths
+    ]
+    return make_packed_batch(
+        seqs,
+        block_size=block_size,
+        mask_token_id=63,
+        num_anchors=num_anchors,
+        generator=gen,
+        pad_blocks_to_multiple=pad,
+    )
+
+
+def _tiles(num: torch.Tensor, indices: torch.Tensor) -> list[list[int]]:
+    """The chosen tiles of each query-tile row, in stored order."""
+    return [indices[0, 0, r, : int(num[0, 0, r])].tolist() for r in range(num.shape[-1])]
+
+
+@given(
+    lengths=st.lists(st.integers(2, 60), min_size=1, max_size=4),
+    anchors=st.integers(1, 12),
+    block_size=st.sampled_from([2, 4, 8, 10, 16]),
+    pad=st.integers(1, 5),
+    tile=st.sampled_from([8, 16, 32, 128]),
+    seed=st.integers(0, 10_000),
+)
+@settings(max_examples=40, deadline=None)
+def test_layout_block_mask_equals_create_block_mask_over_the_rule(
+    lengths, anchors, block_size, pad, tile, seed
+) -> None:
+    warnings.filterwarnings("ignore", message=".*flex_attention.*")
+    batch = _pack(lengths, anchors, block_size, pad, seed)
+    mine = FlexMask.from_batch(batch, tile).block_mask
+    rule = FlexMask.from_rule(batch, tile).block_mask
+    assert mine.seq_lengths == rule.seq_lengths and mine.BLOCK_SIZE == rule.BLOCK_SIZE
+    for prefix in ("kv", "q"):  # forward (per query tile) and backward (per key tile) orderings
+        for kind in ("", "full_"):
+            num, idx = f"{kind}{prefix}_num_blocks", f"{kind}{prefix}_indices"
+            assert torch.equal(getattr(mine, num), getattr(rule, num)), num
+            assert _tiles(getattr(mine, num), getattr(mine, idx)) == _tiles(
+                getattr(rule, num), getattr(rule, idx)
+            ), idx
+    # The kernel evaluates the interval mask_mod on partial tiles: it must be the rule, pair for pair.
+    m = batch.num_blocks * block_size
+    q = torch.arange(m)[:, None]
+    kv = torch.arange(batch.num_context_tokens + m)[None, :]
+    zero = torch.zeros((), dtype=torch.long)
+    rule = dense_mask(batch)
+    assert torch.equal(KeyIntervals.of(batch).mask_mod()(zero, zero, q, kv), rule)
+    # The dense path uses the intervals too; rows that see nothing (padding) attend to their own slot.
+    empty = ~rule.any(dim=1)
+    rule[q[empty, 0], batch.num_context_tokens + q[empty, 0]] = True
+    dense = DenseMask.from_batch(batch)
+    assert torch.equal(dense.allowed, rule) and torch.equal(dense.empty_rows, empty)
+
+
+def test_padding_blocks_have_empty_intervals_and_real_ones_end_at_their_anchor() -> None:
+    batch = _pack([30, 20], 3, 4, 8, 3)  # 6 blocks + 2 padding
+    iv = KeyIntervals.of(batch)
+    real = batch.block_seq >= 0
+    assert (~real).any()
+    assert torch.equal(iv.lo[~real], iv.hi[~real]) and (iv.own[~real] + 4 <= 0).all()
+    starts = torch.tensor([0, 30])[batch.block_seq[real]]
+    assert torch.equal(iv.lo[real], starts) and torch.equal(iv.hi[real], starts + batch.anchor_pos[real])

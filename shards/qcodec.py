@@ -30,7 +30,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .codecs import Codec, Fp8Block, _compressor, register_codec, zstd_decompress_exact
+from .codec_base import Codec, compressor, zstd_decompress_exact
+from .codecs import register_codec
+from .fp8 import Fp8Block
 
 GROUP = 32  # channels per group scale
 # Elements per step (measured best on one CPU core; they also bound the GPU's float32 temporaries).
@@ -288,7 +290,7 @@ class QCodec(Codec):
             x.codes.detach().cpu().contiguous().numpy(),
         ]
         # One zstd frame over the four parts without concatenating them first.
-        cobj = _compressor(self.level).compressobj(size=sum(p.nbytes for p in parts))
+        cobj = compressor(self.level).compressobj(size=sum(p.nbytes for p in parts))
         return b"".join([*(cobj.compress(memoryview(p).cast("B")) for p in parts), cobj.flush()])
 
     def decode_block(

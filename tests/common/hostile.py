@@ -13,7 +13,7 @@ from typing import Any
 
 import xxhash
 from dflash.shards import EncodedSample, ShardMeta, ShardReader, ShardWriter, load_manifest, save_manifest
-from dflash.shards.codecs import _compressor
+from dflash.shards.codec_base import compressor
 from dflash.shards.layout import FOOTER, FOOTER_MAGIC, checksum
 
 _ZEROS = bytes(1 << 20)
@@ -55,7 +55,7 @@ def resign_manifest(cache: Path, edit: Callable[[dict[str, Any]], object] | None
 def zstd_zeros(n: int, value: int = 0) -> bytes:
     """One zstd frame (content size declared) of n bytes equal to `value`, built in 1 MiB steps."""
     block = _ZEROS if value == 0 else bytes([value]) * len(_ZEROS)
-    cobj = _compressor(1).compressobj(size=n)
+    cobj = compressor(1).compressobj(size=n)
     parts = [cobj.compress(block) for _ in range(n // len(block))]
     parts += [cobj.compress(block[: n % len(block)]), cobj.flush()]
     return b"".join(parts)

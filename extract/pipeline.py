@@ -30,10 +30,11 @@ from dflash.shards.paths import MANIFEST_NAME, shard_name, shard_path
 from dflash.shards.writer import ShardMeta
 
 from .config import ExtractConfig
+from .nonfinite import skipped_in_shard
 from .plan import BatchPlan, WorkUnit
 from .prepare import PreparedRun, cache_manifest, prepare
 from .result import ExtractResult, format_summary
-from .stages import Channel, GpuStep, StageStats, Stopped, drain, load_batches, skipped_in_shard, write_shards
+from .stages import Channel, GpuStep, StageStats, Stopped, drain, load_batches, write_shards
 from .target import CapturingTarget, load_target
 from .target_parts import write_target_parts
 from .units import (

@@ -14,10 +14,7 @@ Every thread that fails sets the shared stop event; queue operations give up whe
 error anywhere (ENOSPC in the writer, a bad row in the loader) stops the run promptly and the first
 error is re-raised in the caller. On CPU the same code runs without streams or events.
 
-A target with an inf weight (or a bf16 overflow) yields NaN/inf states that encode and checksum like
-any others; they are caught on the device before encoding (a [K, tokens] flag from one reduction), and
-`--on-nonfinite` fails the run naming the row and layers, or skips the row: the writer records it in
-its shard's index (`meta.skipped`), from which the final manifest lists it as skipped.
+NaN/inf hidden states are flagged by the GPU stage and handled by the drain (`nonfinite.py`).
 """
 
 from __future__ import annotations
@@ -35,21 +32,17 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.shards.codecs import Codec
-from dflash.shards.errors import ShardError
 from dflash.shards.manifest import ShardInfo
 from dflash.shards.writer import COMMITS_IN_FLIGHT, Committer, EncodedSample, ShardWriter, encode_sample
 
 from .gather import GatherBuffers, gather
+from .nonfinite import NonFiniteStates, nonfinite_flags, nonfinite_reasons
 
 _POLL = 0.1  # seconds between checks of the stop event while blocked on a queue
 
 
 class Stopped(Exception):
     """Raised inside a stage when another stage failed and the run is stopping."""
-
-
-class NonFiniteStates(ShardError):
-    """The target produced NaN/inf hidden states for a row (with --on-nonfinite fail)."""
 
 
 @dataclass(slots=True)
@@ -246,29 +239,7 @@ class GpuStep:
         for k, o in enumerate(outs):
             torch.index_select(o.reshape(b * s, h), 0, select, out=packed[k])
         del outs
-        # A NaN/inf anywhere in a token's row makes its fp32 sum non-finite: one reduction, no
-        # full-size temporary (only finite values summing past 3e38 could flag a token wrongly).
-        nonfinite = ~torch.isfinite(packed.sum(dim=-1, dtype=torch.float32))
-        return self.codec.quantize_batch(packed, lengths.tolist()), nonfinite
-
-
-def nonfinite_reasons(item: WorkBatch, layers: list[int]) -> dict[int, str]:
-    """{index in the batch: why} for the rows whose hidden states hold NaN/inf (from the device's flags)."""
-    if item.nonfinite is None:
-        return {}
-    flags = item.nonfinite.numpy()
-    if not flags.any():
-        return {}
-    lengths = np.asarray(item.lengths, dtype=np.int64)
-    per_row = np.add.reduceat(flags.astype(np.int64), np.cumsum(lengths) - lengths, axis=1)  # [K, B]
-    reasons = {}
-    for i in np.flatnonzero(per_row.any(axis=0)).tolist():
-        parts = [
-            f"layer {layers[k]}: {per_row[k, i]} of {lengths[i]} tokens"
-            for k in np.flatnonzero(per_row[:, i])
-        ]
-        reasons[i] = f"non-finite hidden states ({', '.join(parts)})"
-    return reasons
+        return self.codec.quantize_batch(packed, lengths.tolist()), nonfinite_flags(packed)
 
 
 def drain(
@@ -305,7 +276,7 @@ def drain(
                 stats.gpu_span_s = span_before + first_start.elapsed_time(end) / 1e3
             ids = item.input_ids.numpy()
             loss = item.loss_mask.numpy()
-            bad = nonfinite_reasons(item, layers or [])
+            bad = nonfinite_reasons(item.nonfinite, item.lengths, layers or [])
             futures: list[Future] = []
             skipped: list[dict[str, Any]] = []
             offset = 0
@@ -409,15 +380,3 @@ def write_shards(
         if writer is not None:
             writer.abort()
         committer.close()
-
-
-def skipped_in_shard(reader: Any) -> list[dict[str, Any]]:
-    """The rows a writer recorded as skipped in a committed shard's index (`meta.skipped`), well-formed only."""
-    records = reader.meta.get("skipped", [])
-    if not isinstance(records, list):
-        return []
-    return [
-        {"row": r["row"], "reason": r["reason"]}
-        for r in records
-        if isinstance(r, dict) and type(r.get("row")) is int and isinstance(r.get("reason"), str)
-    ]

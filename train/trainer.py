@@ -3,10 +3,9 @@
 Everything that decides the trajectory (weights, optimizer, schedule position, data position, anchors,
 global RNGs) is in the checkpoint, so on the CPU a resumed run reproduces the uninterrupted losses bit
 for bit. Checks, in the order they run: the cache's target parts and layers before the model is built
-(`build`, with `guards.check_trainable`), the checkpoint's settings and cache identity (`resume`), each
-shard's identity when the loader or evaluation first opens it (`Cache.shard`), and a NaN/inf loss or
-gradient (`guards.FiniteGuard`: recorded by `train_step`, read on log, evaluation and save steps, so a
-non-finite drafter is never checkpointed nor exported).
+(`build`, `guards.check_trainable`), the checkpoint's settings and cache identity (`resume`), each
+shard's identity when first opened (`Cache.shard`), a NaN/inf loss or gradient (`guards.FiniteGuard`,
+read before anything is saved).
 """
 
 from __future__ import annotations

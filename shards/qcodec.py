@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .codec_base import Codec, compressor, zstd_decompress_exact
+from .codec_base import Codec, compressor, count_nonfinite, zstd_decompress_exact
 from .codecs import register_codec
 from .fp8 import Fp8Block
 
@@ -324,6 +324,21 @@ class QCodec(Codec):
         self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype, rows: int
     ) -> torch.Tensor:
         return dequantize_q(self.decode_block(buf, shape, rows))
+
+    def nonfinite(self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype) -> int:
+        # A value is bf16(float32(c * ratio(u) * M(v)) * T) with |c * ratio(u) * M(v)| <= L * max M: it is
+        # NaN/inf when its token's scale T is (then all H values are), or when L * max M * |T| may overflow.
+        # Only such tokens (none from a finite input) are dequantized, so `verify` never decodes the rest.
+        block = self.decode_block(buf, shape)
+        scales = block.token_scales
+        bad = ~torch.isfinite(scales)
+        bound = self.levels * float(channel_multipliers(block.channel_scales).max()) if shape[1] else 0.0
+        risky = (~bad & (scales.abs() * bound >= 2.0**127)).nonzero().flatten()
+        n = int(bad.sum()) * shape[1]
+        if risky.numel():
+            sub = QBlock(block.codes[risky], block.group_scales[risky], scales[risky], block.channel_scales)
+            n += count_nonfinite(dequantize_q(sub))
+        return n
 
 
 class Q6Codec(QCodec):

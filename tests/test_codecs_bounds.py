@@ -11,6 +11,7 @@ import torch
 from common.fake_cache import write_fake_cache
 from dflash.shards import Cache
 from dflash.shards.codecs import codec_names, count_nonfinite, get_codec, zstd_compress, zstd_decompress_exact
+from dflash.shards.qcodec import QBlock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -65,3 +66,21 @@ def test_undecoded_prefix_read_equals_the_full_read_cut(tmp_path, codec: str) ->
                 for f in dataclasses.fields(block):
                     a, b = getattr(block, f.name), getattr(whole[layer], f.name)
                     assert torch.equal(a, b if f.name == "channel_scales" else b[:7]), (codec, f.name)
+
+
+@pytest.mark.parametrize("codec", ["q6", "q4"])
+def test_q_nonfinite_counts_scales_and_overflow_without_decoding(codec: str) -> None:
+    """q6/q4 `nonfinite` reads token scales instead of decoding: a NaN/inf scale spoils its whole token,
+    and a finite scale large enough to overflow bf16 is decoded and counted exactly."""
+    c = get_codec(codec)
+    h = 40
+    block = QBlock(
+        codes=torch.full((5, h), c.levels, dtype=torch.int8),
+        group_scales=torch.zeros((5, 2), dtype=torch.uint8),  # ratio 1
+        token_scales=torch.tensor([1.0, float("nan"), float("inf"), 3e38, 1e37]),
+        channel_scales=torch.zeros(h, dtype=torch.int8),  # M = 1
+    )
+    block.codes[3, ::2] = 0  # zeros times a huge scale stay finite
+    frame = bytes(c.encode(block))
+    full = c.decode(frame, (5, h), "bfloat16")
+    assert c.nonfinite(frame, (5, h), "bfloat16") == count_nonfinite(full) == 2 * h + h // 2

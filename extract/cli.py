@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from dflash.shards.cli import run_main
 
-from .config import CODECS, DTYPES, OVERLONG_POLICIES, ColumnNames, ExtractConfig, GiB
+from .config import CODECS, DTYPES, NONFINITE_POLICIES, OVERLONG_POLICIES, ColumnNames, ExtractConfig, GiB
 
 PROG = "dflash-extract"
 
@@ -117,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="skip the free-disk-space pre-flight check")
     p.add_argument(
+        "--on-nonfinite",
+        choices=NONFINITE_POLICIES,
+        default="fail",
+        help="a row whose hidden states hold NaN/inf (checked on the device): stop, or skip it (listed "
+        "with its reason in the manifest's skipped rows)",
+    )
+    p.add_argument(
+        "--allow-empty", action="store_true", help="write an empty cache when no row is left to extract"
+    )
+    p.add_argument(
         "--encode-threads", type=int, default=None, help="codec threads (default: from the CPU count)"
     )
     p.add_argument("--queue-depth", type=int, default=4, help="batches in flight between pipeline stages")
@@ -149,6 +159,8 @@ def config_from_args(argv: Sequence[str] | None) -> ExtractConfig:
         trust_remote_code=args.trust_remote_code,
         compile=args.compile,
         force=args.force,
+        on_nonfinite=args.on_nonfinite,
+        allow_empty=args.allow_empty,
         dry_run=args.dry_run,
         json=args.json,
         num_encode_threads=args.encode_threads,

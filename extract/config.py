@@ -14,6 +14,7 @@ from dflash.shards.layers import capture_layer_ids, check_layer_ids
 
 CODECS = tuple(CODEC_COSTS)  # every codec of shards/codecs.py, without importing torch
 OVERLONG_POLICIES = ("truncate", "skip")
+NONFINITE_POLICIES = ("fail", "skip")
 DTYPES = ("bfloat16", "float32", "auto")
 GiB = 1 << 30
 
@@ -60,6 +61,8 @@ class ExtractConfig:
     trust_remote_code: bool = False
     compile: bool = True  # CUDA only: torch.compile the target's layer parts (same math, faster)
     force: bool = False
+    on_nonfinite: str = "fail"  # a row whose hidden states hold NaN/inf: stop the run, or skip the row
+    allow_empty: bool = False  # a dataset with no row to extract makes an (empty) cache instead of an error
     dry_run: bool = False
     json: bool = False
     num_encode_threads: int | None = None
@@ -85,6 +88,7 @@ class ExtractConfig:
             raise ValueError(f"num_draft_layers must be >= 1, got {self.num_draft_layers}")
         _check_choice("codec", self.codec, CODECS)
         _check_choice("overlong", self.overlong, OVERLONG_POLICIES)
+        _check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         _check_choice("dtype", self.dtype, DTYPES)
         if self.max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {self.max_len}")

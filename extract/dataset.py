@@ -14,13 +14,14 @@ neither is used anywhere. Row ids are global 0-based positions in dataset order.
 from __future__ import annotations
 
 import hashlib
-import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 from dflash.shards.errors import ShardError
+from dflash.shards.safe_io import check_regular, read_json
 
 from .config import ColumnNames
 
@@ -204,25 +205,30 @@ def _find_files(path: Path) -> tuple[str, list[Path]]:
         if path.suffix == ".parquet":
             return "parquet", [path]
         return "arrow", [path]
-    if (path / "dataset_dict.json").exists():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+    if os.path.lexists(path / "dataset_dict.json"):
+        meta = read_json(path / "dataset_dict.json", max_bytes=1 << 20, what="dataset")
+        splits = meta.get("splits", []) if isinstance(meta, dict) else None
+        if not isinstance(splits, list) or not all(isinstance(n, str) for n in splits):
+            raise DatasetError(f"{path / 'dataset_dict.json'}: 'splits' must be a list of names")
         if len(splits) == 1:
-            return _find_files(path / splits[0])
+            return _find_files(_inside(path, splits[0], "dataset_dict.json"))
         raise ValueError(
             f"{path} is a DatasetDict with splits {splits}; pass one split directory, e.g. {path / splits[0]}"
             if splits
             else f"{path} is a DatasetDict without splits"
         )
     state = path / "state.json"
-    if state.exists():
+    if os.path.lexists(state):
         try:
-            names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
-        except (KeyError, TypeError, json.JSONDecodeError) as exc:
-            raise DatasetError(f"{state}: not a datasets save_to_disk state file ({exc})") from exc
-        files = [path / name for name in names]
+            names = [entry["filename"] for entry in read_json(state, 16 << 20, "dataset")["_data_files"]]
+        except (KeyError, TypeError) as exc:
+            raise DatasetError(f"{state}: not a datasets save_to_disk state file ({exc!r})") from None
+        files = [_inside(path, name, "state.json") for name in names]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise DatasetError(f"{path}: state.json lists missing data files {missing[:3]}")
+        for f in files:
+            check_regular(f, "dataset file")  # a FIFO would block the memory map forever
         return "save_to_disk", files
     arrow = sorted(p for p in path.rglob("*.arrow") if p.is_file())
     parquet = sorted(p for p in path.rglob("*.parquet") if p.is_file())
@@ -235,6 +241,14 @@ def _find_files(path: Path) -> tuple[str, list[Path]]:
     raise ValueError(
         f"{path}: no dataset found (expected a datasets save_to_disk directory, *.arrow or *.parquet files)"
     )
+
+
+def _inside(root: Path, name: object, source: str) -> Path:
+    """root/name, refused unless `name` is a relative path that stays inside `root` (no `..`, not absolute):
+    dataset metadata must not make dflash read files elsewhere."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise DatasetError(f"{root / source}: {name!r} points outside the dataset directory {root}")
+    return root / name
 
 
 def _read_ipc(file: Path, keepalive: list[object]) -> pa.Table:
@@ -265,9 +279,19 @@ def _read_parquet(file: Path, columns: ColumnNames) -> pa.Table:
 def _common_schema(tables: list[pa.Table], files: list[Path]) -> pa.Schema:
     schema = tables[0].schema.remove_metadata()
     for table, file in zip(tables[1:], files[1:], strict=True):
-        if not table.schema.remove_metadata().equals(schema):
-            raise DatasetError(f"{file}: schema differs from {files[0].name}: {table.schema} vs {schema}")
+        other = table.schema.remove_metadata()
+        if not other.equals(schema):
+            diff = [
+                f"{name}: {_type_of(other, name)} vs {_type_of(schema, name)}"
+                for name in dict.fromkeys([*other.names, *schema.names])
+                if _type_of(other, name) != _type_of(schema, name)
+            ]
+            raise DatasetError(f"{file}: schema differs from {files[0].name} ({'; '.join(diff)})")
     return schema
+
+
+def _type_of(schema: pa.Schema, name: str) -> str:
+    return str(schema.field(name).type) if name in schema.names else "missing"
 
 
 # --- columns as numpy -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from dflash.shards.codec_costs import codec_table, format_codec_table
+from dflash.shards.outdir import check_out_dir
 
 from .config import ExtractConfig
 from .plan import estimate_cache_bytes, plan_stats
@@ -104,6 +105,8 @@ def format_summary(s: dict) -> str:
 
 def run_dry_run(config: ExtractConfig) -> dict:
     """Prepare, print the table (or one JSON object with `config.json`), return the summary."""
+    if config.out is not None:
+        check_out_dir(config.out, "cache")  # the run would refuse this --out: say so now
     summary = dry_run_summary(config, prepare(config))
     print(json.dumps(summary) if config.json else format_summary(summary), flush=True)
     return summary

@@ -25,10 +25,12 @@ from typing import Any
 import torch
 from dflash.shards.codecs import get_codec
 from dflash.shards.manifest import Manifest, ShardInfo, save_manifest
+from dflash.shards.outdir import claim_out_dir
 from dflash.shards.paths import MANIFEST_NAME, shard_name, shard_path
 from dflash.shards.writer import ShardMeta
 
 from .config import ExtractConfig
+from .nonfinite import skipped_in_shard
 from .plan import BatchPlan, WorkUnit
 from .prepare import PreparedRun, cache_manifest, prepare
 from .result import ExtractResult, format_summary
@@ -43,6 +45,7 @@ from .units import (
     committed_units,
     drop_unreadable_shards,
     remove_stale_temp_files,
+    wait_for_claim,
     wait_for_other_ranks,
 )
 
@@ -133,9 +136,9 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
 
         progress = tqdm(total=rows, unit="row", desc="extract", mininterval=1.0, file=sys.stderr)
 
-    def guarded(fn: Any, *args: Any) -> None:
+    def guarded(fn: Any, *args: Any, **kwargs: Any) -> None:
         try:
-            fn(*args)
+            fn(*args, **kwargs)
         except Stopped:
             pass
         except BaseException as exc:
@@ -156,6 +159,7 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
             target=guarded,
             name="dflash-drain",
             args=(drain, q_out, q_write, s.device, pool, s.codec, stats.clock("d2h"), stats, add_encode),
+            kwargs={"layers": s.layers, "on_nonfinite": cfg.on_nonfinite},
         ),
         threading.Thread(
             target=guarded,
@@ -214,12 +218,19 @@ def _finalize(s: _Setup) -> Manifest:
     from dflash.shards.reader import ShardReader
 
     infos: list[ShardInfo] = []
+    nonfinite: list[dict[str, Any]] = []
     for u in range(len(s.units)):
         with ShardReader.open(shard_path(s.config.out, shard_name(u))) as r:
             infos.append(r.info())
+            nonfinite.extend(skipped_in_shard(r))
+    if not sum(i.rows for i in infos) and not s.config.allow_empty:
+        raise ValueError(
+            f"{s.config.out}: every row was skipped ({len(nonfinite)} for non-finite hidden states), the "
+            "cache would be empty; fix the target or pass --allow-empty"
+        )
     m = Manifest.from_dict(s.manifest.to_dict())
     m.shards = infos
-    m.skipped = s.run.report.skipped_records()
+    m.skipped = sorted(s.run.report.skipped_records() + nonfinite, key=lambda r: r["row"])
     m.complete = True
     save_manifest(s.config.out, m)
     return m
@@ -233,7 +244,9 @@ def _open_cache(s: _Setup, out: Path, locks: RunLocks) -> bool:
         locks.wait_for_rank0()
         return check_or_write_manifest(out, s.manifest, write=False).complete
     current = (
-        check_or_write_manifest(out, s.manifest, write=False) if (out / MANIFEST_NAME).is_file() else None
+        check_or_write_manifest(out, s.manifest, write=False)
+        if os.path.lexists(out / MANIFEST_NAME)
+        else None
     )
     if current is None or not current.complete:
         remove_stale_temp_files(out)
@@ -265,6 +278,11 @@ def run_extraction(
         )
     extract_s = cpu_s = 0.0
     out = Path(config.out)
+    # The --out rule before anything is created or deleted in it (a lock file included).
+    if rank.rank == 0:
+        claim_out_dir(out, "cache")
+    else:
+        wait_for_claim(out)
     locks = RunLocks(out, rank)
     locks.acquire()
     stats = StageStats()
@@ -311,7 +329,8 @@ def run_extraction(
         units_done=len(done),
         units_committed=len(committed_units(out)),
         rows=stats.rows,
-        rows_skipped=len(s.run.report.skipped_rows),
+        rows_skipped=len(s.run.report.skipped_rows) + stats.rows_nonfinite,
+        rows_nonfinite=stats.rows_nonfinite,
         tokens=stats.tokens,
         bytes_written=stats.bytes_written,
         raw_bytes=stats.raw_bytes,

@@ -18,6 +18,7 @@ from dflash.shards.target_config import TargetConfig, read_target_config
 
 from .config import ExtractConfig
 from .dataset import TokenDataset, open_dataset
+from .identity import weights_fingerprint
 from .plan import BatchPlan, WorkUnit, bytes_per_token, plan_batches, plan_units
 from .validate import DatasetReport, validate
 
@@ -43,6 +44,11 @@ def prepare(config: ExtractConfig) -> PreparedRun:
     ds = open_dataset(config.dataset, config.columns)
     t1 = time.perf_counter()
     report = validate(ds, vocab_size=target.vocab_size, max_len=config.max_len, overlong=config.overlong)
+    if not len(report.rows) and not config.allow_empty:
+        raise ValueError(
+            f"{config.dataset}: no row to extract ({ds.num_rows} rows, {len(report.skipped_rows)} skipped: "
+            f"{report.counts}); pass --allow-empty to write an empty cache anyway"
+        )
     t2 = time.perf_counter()
     batches = plan_batches(
         report.rows, report.lengths, token_budget=config.token_budget, pad_multiple=config.pad_multiple
@@ -71,7 +77,10 @@ def cache_manifest(config: ExtractConfig, run: PreparedRun, *, compute_dtype: st
 
     codec = get_codec(config.codec)
     return Manifest(
-        target=target_info(run.target.raw, str(config.target), dtype=compute_dtype),
+        target={
+            **target_info(run.target.raw, str(config.target), dtype=compute_dtype),
+            "weights_sha256": weights_fingerprint(config.target),  # a resume compares targets by content
+        },
         layers=run.layers,
         dtype=codec.stored_dtype(compute_dtype),
         hidden_size=run.target.hidden_size,
@@ -84,6 +93,7 @@ def cache_manifest(config: ExtractConfig, run: PreparedRun, *, compute_dtype: st
             "pad_multiple": config.pad_multiple,
             "unit_bytes": config.unit_bytes,
             "compute_dtype": compute_dtype,
+            **({"allow_empty": True} if config.allow_empty else {}),
         },
         plan={
             "units": len(run.units),

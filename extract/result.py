@@ -20,6 +20,7 @@ class ExtractResult:
     units_committed: int = 0  # in the cache, all runs and ranks
     rows: int = 0
     rows_skipped: int = 0
+    rows_nonfinite: int = 0  # of rows_skipped: NaN/inf hidden states (--on-nonfinite skip), this run
     tokens: int = 0
     bytes_written: int = 0
     raw_bytes: int = 0
@@ -65,6 +66,13 @@ def format_summary(r: ExtractResult) -> str:
         f"{r.bytes_written / 1e6:,.1f} MB written, {r.bytes_per_token:,.0f} B/token, ratio {r.ratio:.2f}x; "
         f"CPU cores used {r.cpu_seconds / max(r.extract_seconds, 1e-9):.1f}",
         f"GPU (forward) wait fraction {r.gpu_wait_fraction:.1%}  (compute {r.gpu_compute_s:,.1f} s)",
+        *(
+            [
+                f"skipped {r.rows_nonfinite:,} rows with NaN/inf hidden states (listed in the manifest's skipped rows)"
+            ]
+            if r.rows_nonfinite
+            else []
+        ),
         f"{'stage':<10}{'busy s':>10}{'wait in s':>11}{'wait out s':>12}{'waiting':>9}",
     ]
     for name, s in r.stages.items():

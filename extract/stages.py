@@ -1,9 +1,11 @@
 """The extraction pipeline's stages, joined by bounded queues; the GPU stage should never wait.
 
     loader thread   gather a batch's rows into (pinned) host tensors                 -> q_in
-    main thread     H2D on a copy stream, forward, keep real tokens, quantize (fp8, q4, q6) on the GPU,
-                    D2H into pinned buffers on the copy stream (with an event)       -> q_out
-    drain thread    wait for the D2H event, submit one encode task per sample        -> q_write
+    main thread     H2D on a copy stream, forward, keep real tokens, flag non-finite
+                    tokens, quantize (fp8, q4, q6) on the GPU, D2H into pinned buffers
+                    on the copy stream (with an event)                               -> q_out
+    drain thread    wait for the D2H event, apply --on-nonfinite, submit one encode
+                    task per kept sample                                             -> q_write
     encode pool     encode_sample (zstd releases the GIL)
     writer thread   one ShardWriter per work unit, samples in plan order; a Committer publishes each
                     finished shard (fsync, rename) on its own threads while the next one streams
@@ -11,11 +13,14 @@
 Every thread that fails sets the shared stop event; queue operations give up when it is set, so an
 error anywhere (ENOSPC in the writer, a bad row in the loader) stops the run promptly and the first
 error is re-raised in the caller. On CPU the same code runs without streams or events.
+
+NaN/inf hidden states are flagged by the GPU stage and handled by the drain (`nonfinite.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -31,6 +36,7 @@ from dflash.shards.manifest import ShardInfo
 from dflash.shards.writer import COMMITS_IN_FLIGHT, Committer, EncodedSample, ShardWriter, encode_sample
 
 from .gather import GatherBuffers, gather
+from .nonfinite import NonFiniteStates, nonfinite_flags, nonfinite_reasons
 
 _POLL = 0.1  # seconds between checks of the stop event while blocked on a queue
 
@@ -108,6 +114,7 @@ class WorkBatch:
     select: torch.Tensor  # int64 [N] flat indexes of the real tokens in [B*T]
     # Filled by the GPU stage:
     features: tuple[torch.Tensor, ...] = ()  # host: the codec's `quantize_batch` output, e.g. ([K, N, H],)
+    nonfinite: torch.Tensor | None = None  # host bool [K, N]: token n of layer k holds a NaN/inf
     ready: Any = None  # CUDA event after the D2H copy, None on CPU
     timing: tuple[Any, Any] | None = None  # CUDA events around the compute
 
@@ -124,6 +131,7 @@ class StageStats:
     encode_cpu_s: float = 0.0  # summed over pool threads
     rows: int = 0
     tokens: int = 0
+    rows_nonfinite: int = 0  # rows skipped by --on-nonfinite skip
     raw_bytes: int = 0
     bytes_written: int = 0
     shards: list[ShardInfo] = field(default_factory=list)
@@ -202,36 +210,36 @@ class GpuStep:
             start.record(self.compute_stream)
         else:
             ids, select = item.input_ids, item.select
-        features = self._compute(ids, select, item.lengths)
+        features, nonfinite = self._compute(ids, select, item.lengths)
         if not self.cuda:
-            item.features = features
+            item.features, item.nonfinite = features, nonfinite
             return item
         end.record(self.compute_stream)
         item.timing = (start, end)
         self.copy_stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(self.copy_stream):
             host = []
-            for t in features:
+            for t in (*features, nonfinite):
                 h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 h.copy_(t, non_blocking=True)
                 t.record_stream(self.copy_stream)  # the allocator must not reuse it before the copy ends
                 host.append(h)
             item.ready = torch.cuda.Event()
             item.ready.record(self.copy_stream)
-        item.features = tuple(host)
+        item.features, item.nonfinite = tuple(host[:-1]), host[-1]
         return item
 
     @torch.inference_mode()
     def _compute(
         self, ids: torch.Tensor, select: torch.Tensor, lengths: np.ndarray
-    ) -> tuple[torch.Tensor, ...]:
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         outs = self.target.capture(ids.long())
         b, s, h = outs[0].shape
         packed = torch.empty((len(outs), select.numel(), h), dtype=outs[0].dtype, device=outs[0].device)
         for k, o in enumerate(outs):
             torch.index_select(o.reshape(b * s, h), 0, select, out=packed[k])
         del outs
-        return self.codec.quantize_batch(packed, lengths.tolist())
+        return self.codec.quantize_batch(packed, lengths.tolist()), nonfinite_flags(packed)
 
 
 def drain(
@@ -243,8 +251,11 @@ def drain(
     clock: StageClock,
     stats: StageStats,
     encode_clock: Callable[[float], None],
+    layers: list[int] | None = None,
+    on_nonfinite: str = "fail",
 ) -> None:
-    """Drain thread: wait for each batch's D2H copy, then submit one encode task per sample."""
+    """Drain thread: wait for each batch's D2H copy, apply --on-nonfinite, then submit one encode task per
+    kept sample (the skipped ones travel to the writer as records)."""
     first_start = None
     span_before = stats.gpu_span_s  # a rank-0 takeover runs the stages a second time
     if device.type == "cuda":
@@ -265,18 +276,28 @@ def drain(
                 stats.gpu_span_s = span_before + first_start.elapsed_time(end) / 1e3
             ids = item.input_ids.numpy()
             loss = item.loss_mask.numpy()
+            bad = nonfinite_reasons(item.nonfinite, item.lengths, layers or [])
             futures: list[Future] = []
+            skipped: list[dict[str, Any]] = []
             offset = 0
             lengths = item.lengths.tolist()
             for i, row in enumerate(item.rows.tolist()):
                 n = lengths[i]
-                layers = codec.batch_sample(item.features, lengths, i, offset)
-                futures.append(
-                    pool.submit(_timed_encode, encode_clock, codec, row, ids[i, :n], loss[i, :n], layers)
-                )
+                if i in bad:
+                    if on_nonfinite != "skip":
+                        raise NonFiniteStates(
+                            f"row {row}: the target produced {bad[i]}; check its weights and --dtype, or "
+                            "pass --on-nonfinite skip to leave such rows out (listed as skipped in the manifest)"
+                        )
+                    skipped.append({"row": row, "reason": bad[i]})
+                else:
+                    parts = codec.batch_sample(item.features, lengths, i, offset)
+                    futures.append(
+                        pool.submit(_timed_encode, encode_clock, codec, row, ids[i, :n], loss[i, :n], parts)
+                    )
                 offset += n
         with clock.timing("wait_out"):
-            out.put((item, futures))
+            out.put((item, futures, skipped))
     out.put(None)
 
 
@@ -300,8 +321,10 @@ def write_shards(
 ) -> None:
     """Writer thread: one ShardWriter per unit, samples in plan order; at the unit's last batch the shard is
     finished here and published (fsync + rename) by the Committer while the next unit streams in.
-    `wait_out` counts the time the writer waited for the disk (every commit slot busy)."""
+    `wait_out` counts the time the writer waited for the disk (every commit slot busy). Rows the drain
+    skipped are listed in their unit's shard index (`meta.skipped`)."""
     writer: ShardWriter | None = None
+    unit_skipped: list[dict[str, Any]] = []
     committer = Committer(commit_depth)
     t0 = time.perf_counter()
     try:
@@ -310,10 +333,12 @@ def write_shards(
                 got = inp.get()
             if got is None:
                 break
-            item, futures = got
+            item, futures, skipped = got
             if item.first_in_unit:
                 assert writer is None, "a unit started before the previous one was committed"
-                writer = ShardWriter(shard_path(item.unit), meta)
+                writer = ShardWriter(shard_path(item.unit), dataclasses.replace(meta, extra=dict(meta.extra)))
+                unit_skipped = []
+            unit_skipped.extend(skipped)
             assert writer is not None
             before = writer.bytes_written
             for f in futures:
@@ -324,6 +349,8 @@ def write_shards(
             with clock.timing("busy"):
                 after = writer.bytes_written
                 if item.last_in_unit:
+                    if unit_skipped:
+                        writer.meta.extra["skipped"] = unit_skipped
                     info = writer.finish()
                     after = info.bytes  # index and footer included
                     stats.shards.append(info)
@@ -333,7 +360,8 @@ def write_shards(
                 writer = None
             with clock.timing("busy"):
                 written = after - before
-                stats.rows += len(item.rows)
+                stats.rows += len(item.rows) - len(skipped)
+                stats.rows_nonfinite += len(skipped)
                 stats.tokens += item.tokens
                 stats.raw_bytes += item.tokens * raw_bytes_per_token
                 stats.bytes_written += written

@@ -7,12 +7,12 @@ the directory (its layout, and why a tied target stores one matrix, are document
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from dflash.shards.errors import ShardError
+from dflash.shards.safe_io import read_json
 from dflash.shards.target_config import CONFIG_NAME, read_target_config
 from dflash.shards.target_parts import EXTRA_FILES
 from dflash.shards.target_parts import write_target_parts as write_parts
@@ -31,8 +31,11 @@ def _weight_map(target: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from the index json or the single model.safetensors."""
     index = target / "model.safetensors.index.json"
     if index.is_file():
-        data = json.loads(index.read_text())
-        return {name: target / file for name, file in data.get("weight_map", {}).items()}
+        data = read_json(index, max_bytes=64 << 20)  # depth-limited; special files refused
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ShardError(f"{index}: no 'weight_map' object: not a safetensors index")
+        return {name: target / str(file) for name, file in weight_map.items()}
     single = target / "model.safetensors"
     if single.is_file():
         with safe_open(single, framework="pt") as f:

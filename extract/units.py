@@ -21,7 +21,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import socket
 import time
 from collections.abc import Iterable
@@ -29,8 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash.shards.atomic import discard
 from dflash.shards.errors import ShardError
 from dflash.shards.manifest import Manifest, load_manifest, refuse_other_settings, save_manifest
+from dflash.shards.outdir import check_out_dir, raise_if_not_ours
 from dflash.shards.paths import (
     LOCK_NAME,
     MANIFEST_NAME,
@@ -40,6 +41,7 @@ from dflash.shards.paths import (
     shard_path,
     unit_of_shard,
 )
+from dflash.shards.safe_io import load_json, open_nofollow, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +95,13 @@ def remove_stale_temp_files(cache_dir: str | Path) -> int:
     from dflash.shards.target_parts import stale_target_dirs
     from dflash.shards.writer import stale_temp_files
 
+    raise_if_not_ours(cache_dir, "cache")
     n = 0
     for p in stale_temp_files(Path(cache_dir) / SHARDS_DIR):
         p.unlink(missing_ok=True)
         n += 1
     for p in stale_target_dirs(cache_dir):
-        shutil.rmtree(p, ignore_errors=True)
+        discard(p)  # a planted link is removed, never followed
     return n
 
 
@@ -110,7 +113,8 @@ class FileLock:
         self._fd: int | None = None
 
     def acquire(self, retry_seconds: float = 0.0) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a symlink, never a FIFO: a planted link must not be truncated by write().
+        fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)
         deadline = time.monotonic() + retry_seconds
         while True:
             try:
@@ -141,8 +145,8 @@ class FileLock:
 def is_held(path: Path) -> bool:
     """True when some other process holds an fcntl lock on `path` (probes with a shared lock)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+        fd = open_nofollow(path, os.O_RDONLY)
+    except (FileNotFoundError, ShardError):
         return False
     try:
         fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -157,9 +161,10 @@ def is_held(path: Path) -> bool:
 
 def read_holder(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_bytes() or b"{}")
-    except (OSError, json.JSONDecodeError):
+        info = load_json(read_regular(path, 1 << 16) or b"{}", str(path))
+    except (OSError, ShardError):
         return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _holder_text(info: dict[str, Any]) -> str:
@@ -237,7 +242,7 @@ def check_or_write_manifest(cache_dir: Path, expected: Manifest, *, write: bool)
     Returns the manifest on disk (which may already be complete). Only rank 0 writes.
     """
     path = cache_dir / MANIFEST_NAME
-    if path.is_file():
+    if os.path.lexists(path):
         current = load_manifest(cache_dir)
         refuse_other_settings(current, expected, f"{cache_dir} was extracted with other settings")
         return current
@@ -259,6 +264,7 @@ def drop_unreadable_shards(cache_dir: Path, committed: set[int]) -> set[int]:
     """Remove committed shards whose footer does not parse (a disk error after commit): they are redone."""
     from dflash.shards.reader import ShardReader
 
+    raise_if_not_ours(cache_dir, "cache")
     good = set()
     for u in sorted(committed):
         path = shard_path(cache_dir, shard_name(u))
@@ -269,6 +275,18 @@ def drop_unreadable_shards(cache_dir: Path, committed: set[int]) -> set[int]:
             log.warning("removing unreadable shard %s (%s); its unit is redone", path.name, exc)
             path.unlink(missing_ok=True)
     return good
+
+
+def wait_for_claim(cache_dir: Path, timeout: float = 600.0) -> None:
+    """Rank > 0: wait until rank 0 has claimed `cache_dir` (its `.dflash` mark or a manifest); refuse
+    at once a directory the --out rule forbids, so no rank creates its lock file there."""
+    deadline = time.monotonic() + timeout
+    while not check_out_dir(cache_dir, "cache"):
+        if time.monotonic() >= deadline:
+            raise CacheLocked(
+                f"rank 0 of this run did not claim {cache_dir} within {timeout:.0f} s; start all ranks together"
+            )
+        time.sleep(0.05)
 
 
 def wait_for_other_ranks(cache_dir: Path, num_units: int, locks: RunLocks, grace_s: float) -> bool:

@@ -7,12 +7,15 @@ content or the new one, never a torn mix. A directory is built the same way and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .safe_io import create_new
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -34,16 +37,31 @@ def temp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
 
 
+def discard(path: Path) -> None:
+    """Remove whatever is at `path` without following a link there: a link or a file is unlinked (never
+    what a link points to), a directory is removed with its content."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
-    """`write(tmp)` writes the content to the temp path it is given; then fsync, rename, fsync the directory."""
+    """`write(tmp)` writes the content to the temp path it is given; then fsync, rename, fsync the directory.
+
+    The temp file is created here first, exclusively and never through a link (`safe_io.create_new`): a
+    link or file planted under the temp name is removed, not written through, so `write` only ever
+    opens a regular file this process created."""
     final = Path(path)
     tmp = temp_path(final)
     try:
+        os.close(create_new(tmp, replace_stale=True))
         write(tmp)
         _fsync_file(tmp)
         os.replace(tmp, final)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise
     fsync_dir(final.parent)
     return final
@@ -56,6 +74,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, sort_keys: bool = False) -> Path:
     """`obj` as indented JSON with a final newline."""
     return atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=sort_keys) + "\n").encode())
+
+
+def fresh_temp_dir(final: str | os.PathLike) -> Path:
+    """An empty temp directory (`temp_path(final)`) to build `final` in; whatever a killed writer or anyone
+    else left under that name is discarded first (a planted link is removed, never followed)."""
+    tmp = temp_path(Path(final))
+    discard(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
 
 
 def commit_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:

@@ -6,7 +6,9 @@ Shard for shard, sample for sample, in the source's order: NEW/shards/shard-NNNN
 rows of CACHE's shard of the same name, every layer decoded to bfloat16 and encoded again (on `device`
 for the quantizing codecs, like the extractor). Resumable and checked like an extraction:
 
-- NEW/.lock (fcntl) keeps a second converter out; NEW/manifest.json (complete=false) is written first
+- NEW follows the `--out` rule of every dflash command (`outdir.claim_out_dir`: new, empty or a dflash
+  cache, never inside a cache), claimed before anything is created or deleted in it;
+- NEW/.lock (fcntl, opened without following links) keeps a second converter out; NEW/manifest.json (complete=false) is written first
   with the source's provenance and the new codec, and a re-run whose settings differ is refused naming
   the field (`codec.name: 'q4' != 'fp8'`, or `options.converted_from...` for another source cache);
 - committed shards are kept (after their footer and index checksum read back and their rows agree
@@ -33,12 +35,14 @@ from typing import Any
 
 import torch
 
-from .atomic import commit_dir, temp_path
+from .atomic import commit_dir, discard, fresh_temp_dir
 from .codecs import Codec, codec_names, get_codec
 from .errors import ShardError
 from .manifest import Manifest, ShardInfo, load_manifest, refuse_other_settings, save_manifest
+from .outdir import claim_out_dir
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
 from .reader import Cache, ShardReader
+from .safe_io import open_nofollow
 from .target_parts import check_target_parts, stale_target_dirs, target_dir
 from .writer import Committer, EncodedSample, ShardMeta, ShardWriter, encode_sample, stale_temp_files
 
@@ -96,7 +100,7 @@ class _Lock:
     """NEW/.lock held (fcntl, exclusive) for the whole conversion."""
 
     def __init__(self, path: Path):
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)  # a planted link is refused, not followed
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -113,7 +117,7 @@ class _Lock:
 
 def _start(out: Path, expected: Manifest) -> None:
     """Write the incomplete manifest, or check an existing one against `expected` (resume)."""
-    if (out / MANIFEST_NAME).is_file():
+    if os.path.lexists(out / MANIFEST_NAME):
         refuse_other_settings(
             load_manifest(out), expected, f"{out} was converted with other settings or from another cache"
         )
@@ -128,10 +132,9 @@ def _copy_target(source: Path, out: Path) -> None:
     """CACHE/target/ -> NEW/target/ whole or not at all, then checked as extraction checks it."""
     final = target_dir(out)
     if not final.is_dir():
-        tmp = temp_path(final)
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = fresh_temp_dir(final)  # a link planted under the temp name is removed, never followed
         try:
-            shutil.copytree(target_dir(source), tmp)
+            shutil.copytree(target_dir(source), tmp, dirs_exist_ok=True)
             commit_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -202,7 +205,7 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
             raise ValueError(f"{config.source} is already stored with codec {config.codec!r}")
         check_target_parts(config.source)  # training needs them: refuse a source without before any work
         expected = converted_manifest(source.manifest, codec)
-        config.out.mkdir(parents=True, exist_ok=True)
+        claim_out_dir(config.out, "cache")  # the --out rule, before anything is created or deleted
         lock = _Lock(config.out / LOCK_NAME)
         try:
             _start(config.out, expected)
@@ -211,7 +214,7 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
             for stale in stale_temp_files(shard_dir):
                 stale.unlink(missing_ok=True)
             for stale in stale_target_dirs(config.out):
-                shutil.rmtree(stale, ignore_errors=True)
+                discard(stale)
             _copy_target(config.source, config.out)
             threads = config.threads or max(1, os.cpu_count() or 1)
             converted, raw = 0, 0

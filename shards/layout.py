@@ -10,7 +10,6 @@ exactly (no hole, no overlap, nothing outside it).
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import xxhash
 
 from .codecs import DTYPES, Codec, codec_from_dict
 from .errors import ShardError
+from .safe_io import load_json
 
 MAGIC = b"DFSHARD1"
 FOOTER_MAGIC = b"DFSFOOT1"
@@ -29,6 +29,9 @@ FIXED_FRAMES = ("input_ids", "loss_mask")
 # zstd's own worst case is ~32k:1 (RLE blocks); a frame may not claim to decode to more than this.
 MAX_EXPANSION = 1 << 16
 EXPANSION_SLACK = 1 << 20
+# Hard ceiling on what one frame may decode to, whatever the index and manifest claim: 8 GiB holds
+# ~800k tokens of a 5120-wide bf16 layer. Readers also bound lengths by the cache's declared maximum.
+MAX_FRAME_BYTES = 1 << 33
 _U63 = (1 << 63) - 1
 
 
@@ -98,12 +101,12 @@ def parse_footer(footer: bytes, file_size: int, where: str) -> tuple[int, int, i
     return offset, length, digest
 
 
-def parse_index(raw: bytes, index_offset: int, where: str) -> ShardIndex:
-    """Decode and validate the index JSON; frames must tile [len(MAGIC), index_offset) exactly."""
-    try:
-        d = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ShardError(f"{where}: index is not valid JSON ({exc})") from None
+def parse_index(raw: bytes, index_offset: int, where: str, max_length: int | None = None) -> ShardIndex:
+    """Decode and validate the index JSON; frames must tile [len(MAGIC), index_offset) exactly.
+
+    `max_length`: the longest sample the cache declares (manifest `options.max_len`); longer claimed
+    lengths are refused before anything is decoded, as are frames over MAX_FRAME_BYTES decoded."""
+    d = load_json(raw, f"{where}: index")
     if not isinstance(d, dict) or d.get("format") != SHARD_FORMAT:
         raise ShardError(f"{where}: index format is not {SHARD_FORMAT!r}")
     version = d.get("version")
@@ -140,6 +143,11 @@ def parse_index(raw: bytes, index_offset: int, where: str) -> ShardIndex:
             raise ShardError(f"{what}: index entry must be an object")
         row = _int(s.get("row"), f"{what} row")
         length = _int(s.get("length"), f"{what} (row {row}) length", 1, 1 << 40)
+        if max_length is not None and length > max_length:
+            raise ShardError(
+                f"{what} (row {row}): length {length} exceeds the {max_length} tokens the cache declares "
+                "(manifest options.max_len): refusing to decode it"
+            )
         supervised = _int(s.get("supervised"), f"{what} (row {row}) supervised", 0, length)
         frames = s.get("frames")
         if not isinstance(frames, list) or len(frames) != n_frames:
@@ -159,6 +167,11 @@ def parse_index(raw: bytes, index_offset: int, where: str) -> ShardIndex:
             if not isinstance(fr[2], str) or len(fr[2]) != 16:
                 raise ShardError(f"{fwhat}: checksum must be 16 hex digits, got {fr[2]!r:.40}")
             decoded = length * (4 if k == 0 else 1 if k == 1 else layer_bytes_per_token)
+            if decoded > MAX_FRAME_BYTES:
+                raise ShardError(
+                    f"{fwhat}: decodes to {decoded} bytes (length {length}), over the {MAX_FRAME_BYTES}-byte "
+                    "ceiling of one frame"
+                )
             if decoded > max_decoded(ln):
                 raise ShardError(
                     f"{fwhat}: {ln} bytes cannot decode to the {decoded} bytes that length {length} needs"

@@ -18,6 +18,7 @@ from . import __version__
 from .atomic import atomic_write_bytes
 from .errors import ManifestMismatch, ShardError
 from .paths import MANIFEST_NAME
+from .safe_io import load_json, read_regular
 from .target_config import decoder_config
 
 FORMAT_NAME = "dflash-cache"
@@ -101,7 +102,7 @@ class Manifest:
                 f"{source}: format is {d.get('format')!r}, expected {FORMAT_NAME!r}: not a dflash cache"
             )
         version = d.get("version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        if type(version) is not int or version > FORMAT_VERSION or version < 1:  # `true` is not 1
             raise ShardError(
                 f"{source}: format version {version!r} is not supported by this dflash "
                 f"(reads 1..{FORMAT_VERSION}); upgrade dflash to read it"
@@ -148,17 +149,11 @@ def save_manifest(cache_dir: str | os.PathLike, manifest: Manifest) -> Path:
 
 def load_manifest(cache_dir: str | os.PathLike) -> Manifest:
     path = Path(cache_dir) / MANIFEST_NAME
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(
             f"{path}: no manifest: {cache_dir} is not a dflash cache (or extraction never started)"
         )
-    size = path.stat().st_size
-    if size > MAX_MANIFEST_BYTES:
-        raise ShardError(f"{path}: {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")
-    try:
-        d = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ShardError(f"{path}: not valid JSON ({exc})") from None
+    d = load_json(read_regular(path, MAX_MANIFEST_BYTES), str(path))  # refuses FIFOs, deep nesting
     return Manifest.from_dict(d, source=str(path))
 
 
@@ -217,9 +212,23 @@ def diff_manifests(
     return out
 
 
+def _comparable(a: Manifest, b: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two manifests' dicts without what a resume must not compare: the target's path (the same target
+    may be spelled as another path), and `weights_sha256` when one of them predates it."""
+    da, db = a.to_dict(), b.to_dict()
+    ta, tb = dict(da.get("target") or {}), dict(db.get("target") or {})
+    both = "weights_sha256" in ta and "weights_sha256" in tb
+    for key in ("name_or_path", *(() if both else ("weights_sha256",))):
+        ta.pop(key, None)
+        tb.pop(key, None)
+    da["target"], db["target"] = ta, tb
+    return da, db
+
+
 def refuse_other_settings(current: Manifest, expected: Manifest, what: str) -> None:
-    """A resume whose provenance differs from the cache's is refused, naming every differing field."""
-    differences = diff_manifests(current, expected)
+    """A resume whose provenance differs from the cache's is refused, naming every differing field. The
+    target is compared by content (config and weights fingerprints), not by the spelling of its path."""
+    differences = diff_manifests(*_comparable(current, expected))
     if differences:
         raise ManifestMismatch(
             f"{what}, resume refused (use the same command or another --out); cache != this command",

@@ -30,7 +30,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .codecs import Codec, Fp8Block, _compressor, register_codec, zstd_decompress_exact
+from .codec_base import Codec, compressor, count_nonfinite, zstd_decompress_exact
+from .codecs import register_codec
+from .fp8 import Fp8Block
 
 GROUP = 32  # channels per group scale
 # Elements per step (measured best on one CPU core; they also bound the GPU's float32 temporaries).
@@ -82,10 +84,6 @@ class QBlock:
     @property
     def shape(self) -> tuple[int, int]:
         return (int(self.codes.shape[0]), int(self.codes.shape[1]))
-
-    def head(self, m: int) -> QBlock:
-        """The first m tokens (the channel scales apply unchanged)."""
-        return QBlock(self.codes[:m], self.group_scales[:m], self.token_scales[:m], self.channel_scales)
 
 
 _SHRINK = 4.0  # pseudo-tokens pulling a row's channel scales to its median: short rows estimate them badly
@@ -292,21 +290,28 @@ class QCodec(Codec):
             x.codes.detach().cpu().contiguous().numpy(),
         ]
         # One zstd frame over the four parts without concatenating them first.
-        cobj = _compressor(self.level).compressobj(size=sum(p.nbytes for p in parts))
+        cobj = compressor(self.level).compressobj(size=sum(p.nbytes for p in parts))
         return b"".join([*(cobj.compress(memoryview(p).cast("B")) for p in parts), cobj.flush()])
 
-    def decode_block(self, buf: bytes | memoryview, shape: tuple[int, int]) -> QBlock:
-        """The stored codes and scales, undecoded (training decodes them on its GPU). Every byte value is
-        valid in every part, so nothing but the size can be wrong."""
+    def decode_block(
+        self, buf: bytes | memoryview, shape: tuple[int, int], rows: int | None = None
+    ) -> QBlock:
+        """The stored codes and scales of the first `rows` tokens (default all), undecoded (training decodes
+        them on its GPU); the codes come last, so the other tokens' codes are never decompressed. Every
+        byte value is valid in every part, so nothing but the size can be wrong."""
         s, h = shape
+        m = s if rows is None else min(rows, s)
         groups = -(-h // GROUP)
-        raw = zstd_decompress_exact(buf, self.decoded_bytes(s, h, "bfloat16"), f"{self.name} frame")
+        at = 4 * s + h  # where the group scales start
+        codes_at = at + s * groups
+        raw = zstd_decompress_exact(
+            buf, self.decoded_bytes(s, h, "bfloat16"), f"{self.name} frame", keep=codes_at + m * h
+        )
         whole = torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # one writable copy; parts are views
-        at = 4 * s + h
         return QBlock(
-            codes=whole[at + s * groups :].view(torch.int8).view(s, h),
-            group_scales=whole[at : at + s * groups].view(s, groups),
-            token_scales=torch.from_numpy(np.frombuffer(raw, dtype="<f4", count=s).astype(np.float32)),
+            codes=whole[codes_at : codes_at + m * h].view(torch.int8).view(m, h),
+            group_scales=whole[at : at + m * groups].view(m, groups),
+            token_scales=torch.from_numpy(np.frombuffer(raw, dtype="<f4", count=m).astype(np.float32)),
             channel_scales=whole[4 * s : at].view(torch.int8),
         )
 
@@ -314,6 +319,26 @@ class QCodec(Codec):
         self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype
     ) -> torch.Tensor:
         return dequantize_q(self.decode_block(buf, shape))
+
+    def decode_rows(
+        self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype, rows: int
+    ) -> torch.Tensor:
+        return dequantize_q(self.decode_block(buf, shape, rows))
+
+    def nonfinite(self, buf: bytes | memoryview, shape: tuple[int, int], dtype: str | torch.dtype) -> int:
+        # A value is bf16(float32(c * ratio(u) * M(v)) * T) with |c * ratio(u) * M(v)| <= L * max M: it is
+        # NaN/inf when its token's scale T is (then all H values are), or when L * max M * |T| may overflow.
+        # Only such tokens (none from a finite input) are dequantized, so `verify` never decodes the rest.
+        block = self.decode_block(buf, shape)
+        scales = block.token_scales
+        bad = ~torch.isfinite(scales)
+        bound = self.levels * float(channel_multipliers(block.channel_scales).max()) if shape[1] else 0.0
+        risky = (~bad & (scales.abs() * bound >= 2.0**127)).nonzero().flatten()
+        n = int(bad.sum()) * shape[1]
+        if risky.numel():
+            sub = QBlock(block.codes[risky], block.group_scales[risky], scales[risky], block.channel_scales)
+            n += count_nonfinite(dequantize_q(sub))
+        return n
 
 
 class Q6Codec(QCodec):

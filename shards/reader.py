@@ -22,6 +22,8 @@ from .errors import CorruptFrame, ShardError
 from .layout import FOOTER, MAGIC, Entry, checksum, frame_names, index_checksum, parse_footer, parse_index
 from .manifest import Manifest, ShardInfo, load_manifest
 from .paths import SHARDS_DIR
+from .safe_io import open_regular
+from .trust import NO_LIMITS, ReadLimits, check_manifest_for_reading, check_shard_identity
 
 
 @dataclass(slots=True)
@@ -70,8 +72,18 @@ def _pread_exact(fd: int, size: int, offset: int, where: str) -> bytes | bytearr
 class ShardReader:
     """One committed shard file; open with `ShardReader.open(path)`."""
 
-    def __init__(self, path: Path, fd: int, file_size: int, index_offset: int, raw_index: bytes):
-        idx = parse_index(raw_index, index_offset, str(path))  # before owning fd: open() closes it on failure
+    def __init__(
+        self,
+        path: Path,
+        fd: int,
+        file_size: int,
+        index_offset: int,
+        raw_index: bytes,
+        limits: ReadLimits = NO_LIMITS,
+    ):
+        # Parsed before owning fd: open() closes it on failure.
+        idx = parse_index(raw_index, index_offset, str(path), max_length=limits.max_length)
+        self.limits = limits
         self.path = path
         self.name = path.name
         self._fd = fd
@@ -88,9 +100,10 @@ class ShardReader:
         self._frame_names = frame_names(self.layers)
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> ShardReader:
+    def open(cls, path: str | os.PathLike, limits: ReadLimits = NO_LIMITS) -> ShardReader:
+        """Open and validate a shard; `limits` (from the cache's manifest) bound what its index may claim."""
         path = Path(path)
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path, "shard")  # a FIFO or directory is refused here, not hung on or read
         try:
             size = os.fstat(fd).st_size
             if size < len(MAGIC) + FOOTER.size:
@@ -102,7 +115,7 @@ class ShardReader:
             raw = _pread_exact(fd, length, offset, str(path))  # length <= file size: checked by the footer
             if index_checksum(raw) != digest:
                 raise ShardError(f"{path}: index checksum mismatch: the index is corrupt")
-            return cls(path, fd, size, offset, raw)
+            return cls(path, fd, size, offset, raw, limits)
         except BaseException:
             os.close(fd)
             raise
@@ -129,8 +142,9 @@ class ShardReader:
         return list(layers)
 
     def _decode(
-        self, i: int, entry: Entry, k: int, buf: bytes | memoryview, dequantize: bool = True
+        self, i: int, entry: Entry, k: int, buf: bytes | memoryview, dequantize: bool = True, rows: int = 0
     ) -> torch.Tensor | Fp8Block:
+        """Frame k of sample i, checksum verified, cut to its first `rows` tokens (0: all of them)."""
         offset, length, digest = entry.frames[k]
         where = f"{self.path}: sample {i} (row {entry.row}) frame {self._frame_names[k]} at {offset}+{length}"
         if checksum(buf) != digest:
@@ -138,28 +152,46 @@ class ShardReader:
                 f"{where}: checksum mismatch: the shard is corrupt (run `dflash-shards verify`)"
             )
         s = entry.length
+        m = min(rows, s) if rows else s
         try:
             if k == 0:
-                raw = zstd_decompress_exact(buf, 4 * s, "input_ids")
-                return torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int64))
+                raw = zstd_decompress_exact(buf, 4 * s, "input_ids", keep=4 * m)
+                ids = np.frombuffer(raw, dtype="<i4")
+                problem = self.limits.ids_problem(ids)
+                if problem:
+                    raise CorruptFrame(problem)
+                return torch.from_numpy(ids.astype(np.int64))
             if k == 1:
-                raw = np.frombuffer(zstd_decompress_exact(buf, s, "loss_mask"), dtype=np.uint8)
+                raw = np.frombuffer(zstd_decompress_exact(buf, s, "loss_mask", keep=m), dtype=np.uint8)
                 if raw.max() > 1:
                     raise CorruptFrame("loss_mask holds values other than 0/1")
                 return torch.from_numpy(raw.astype(np.bool_))
             if not dequantize and self.codec.device_decode:
-                return self.codec.decode_block(buf, (s, self.hidden_size))
+                return self.codec.decode_block(buf, (s, self.hidden_size), rows=m)
+            if m < s:
+                return self.codec.decode_rows(buf, (s, self.hidden_size), self.dtype, m)
             return self.codec.decode(buf, (s, self.hidden_size), self.dtype)
         except CorruptFrame as exc:
             raise CorruptFrame(f"{where}: {exc}") from None
 
-    def read(self, i: int, layers: Sequence[int] | None = None, *, dequantize: bool = True) -> Sample:
+    def read(
+        self,
+        i: int,
+        layers: Sequence[int] | None = None,
+        *,
+        dequantize: bool = True,
+        max_tokens: int | None = None,
+    ) -> Sample:
         """Sample number `i` of this shard (all layers, or only `layers`), checksums verified.
 
+        `max_tokens` cuts the sample to its first tokens while decoding: the rest is never decompressed
+        (a training run's --max-length bounds its memory, whatever length the index claims).
         `dequantize=False` on an fp8 or q4/q6 cache returns `Fp8Block`s or `QBlock`s in `hidden` (fewer bytes
         to move; the trainer decodes them on its GPU); other codecs ignore it."""
         if not 0 <= i < len(self.entries):
             raise IndexError(f"{self.path}: sample {i} out of range (shard holds {len(self.entries)})")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         entry = self.entries[i]
         wanted = self._layer_slots(layers)
         if layers is None:  # everything: one contiguous read
@@ -172,16 +204,17 @@ class ShardReader:
             for k in slots:
                 off, ln, _ = entry.frames[k]
                 bufs[k] = _pread_exact(self._fd, ln, off, str(self.path))
+        rows = max_tokens or 0
         hidden = {
             layer: self._decode(
-                i, entry, 2 + self._layer_pos[layer], bufs[2 + self._layer_pos[layer]], dequantize
+                i, entry, 2 + self._layer_pos[layer], bufs[2 + self._layer_pos[layer]], dequantize, rows
             )
             for layer in wanted
         }
         return Sample(
             row=entry.row,
-            input_ids=self._decode(i, entry, 0, bufs[0]),
-            loss_mask=self._decode(i, entry, 1, bufs[1]),
+            input_ids=self._decode(i, entry, 0, bufs[0], rows=rows),
+            loss_mask=self._decode(i, entry, 1, bufs[1], rows=rows),
             hidden=hidden,
         )
 
@@ -197,6 +230,15 @@ class ShardReader:
 
     def __iter__(self) -> Iterator[Sample]:
         return self.iter()
+
+    def raw_frames(self, i: int) -> list[memoryview]:
+        """Sample i's stored frame bytes (one read), unchecked: for `verify`, which checks them itself."""
+        entry = self.entries[i]
+        view = memoryview(_pread_exact(self._fd, entry.end - entry.start, entry.start, str(self.path)))
+        return [view[off - entry.start : off - entry.start + ln] for off, ln, _ in entry.frames]
+
+    def frame_name(self, k: int) -> str:
+        return self._frame_names[k]
 
     def verify(self) -> list[str]:
         """Re-hash every frame; returns one line per bad frame (empty if the shard is sound)."""
@@ -250,6 +292,7 @@ class Cache:
         self._listed = {s.name: s for s in manifest.shards}
         self._from_manifest = from_manifest
         self._max_open = max_open_shards
+        self.limits = ReadLimits.of(manifest)
         self._lock = threading.Lock()
         # Most recently used readers; an evicted reader closes its descriptor when the last thread
         # still holding it lets go (reference counting), so eviction never breaks a read in flight.
@@ -265,13 +308,9 @@ class Cache:
         At most `max_open_shards` readers (file descriptors + parsed indexes) stay cached."""
         path = Path(path)
         manifest = load_manifest(path)
+        check_manifest_for_reading(manifest, f"{path}/manifest.json")
         if manifest.complete:
             names = [s.name for s in manifest.shards]
-            for n in names:
-                if "/" in n or "\\" in n or not n.startswith("shard-") or not n.endswith(".dfs"):
-                    raise ShardError(
-                        f"{path}/manifest.json: shard name {n!r} is not of the form shard-NNNNNN.dfs"
-                    )
             return cls(path, manifest, names, True, max_open_shards)
         if require_complete:
             raise ShardError(
@@ -305,31 +344,19 @@ class Cache:
                 return reader
             if name not in self._known:
                 raise KeyError(f"{self.path}: no shard named {name!r}")
-        reader = ShardReader.open(self.path / SHARDS_DIR / name)  # outside the lock: disk I/O
+        reader = ShardReader.open(self.path / SHARDS_DIR / name, self.limits)  # outside the lock: disk I/O
         if self._from_manifest:
-            self._check_identity(reader)
+            try:
+                check_shard_identity(reader.path, self._listed[name], reader.info())
+            except ShardError:
+                reader.close()
+                raise
         with self._lock:
             reader = self._readers.setdefault(name, reader)
             self._readers.move_to_end(name)
             while len(self._readers) > self._max_open:
                 self._readers.popitem(last=False)
             return reader
-
-    def _check_identity(self, reader: ShardReader) -> None:
-        """A shard must be the one the manifest committed: a shard copied in from another extraction has
-        sound checksums of its own, and only its identity tells it apart."""
-        want, got = self._listed[reader.name], reader.info()
-        wrong = [
-            f"{key} {getattr(got, key)!r} != manifest {getattr(want, key)!r}"
-            for key in ("index_checksum", "rows", "bytes")
-            if getattr(got, key) != getattr(want, key)
-        ]
-        if wrong:
-            reader.close()
-            raise ShardError(
-                f"{reader.path}: not the shard this cache's manifest lists ({'; '.join(wrong)}): replaced or "
-                "rewritten after extraction; restore it or re-extract"
-            )
 
     def entries(self) -> list[CacheEntry]:
         """Every sample (row, length, supervised, shard, index) from the shard indexes; reads all footers."""

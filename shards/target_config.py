@@ -6,14 +6,16 @@ target's code. VLM wrappers (qwen3_5) keep the decoder's settings under `text_co
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .safe_io import read_json
+
 CONFIG_NAME = "config.json"
+MAX_CONFIG_BYTES = 16 << 20  # HF configs are a few KB
 _SIZES = ("num_hidden_layers", "hidden_size", "vocab_size")
 
 
@@ -80,10 +82,7 @@ def read_target_config(path: str | os.PathLike) -> TargetConfig:
     """A model directory's config.json (or that file itself)."""
     path = Path(path)
     file = path / CONFIG_NAME if path.is_dir() or not path.suffix else path
-    if not file.is_file():
+    if not os.path.lexists(file):  # a FIFO or a directory is refused by read_json, in one line
         raise FileNotFoundError(f"{file}: no config.json; pass a Hugging Face model directory")
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc})") from None
+    raw = read_json(file, max_bytes=MAX_CONFIG_BYTES)  # depth-limited; special files refused up front
     return TargetConfig.from_dict(raw, source=str(file))

@@ -28,9 +28,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .atomic import commit_dir, temp_path
-from .errors import ShardError
+from .atomic import commit_dir, fresh_temp_dir
+from .errors import DiskFull, ShardError
 from .paths import TARGET_DIR
+from .safe_io import check_regular
 from .target_config import CONFIG_NAME, TargetConfig, read_target_config
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 FROZEN_NAME = "frozen.safetensors"
 EMBED_KEY = "embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors' names; fp8 or integer tables are refused
 # Tokenizer, chat template and generation defaults: small files a drafter export or a demo may need.
 EXTRA_FILES = (
     "tokenizer.json",
@@ -91,20 +93,13 @@ def write_target_parts(
     unknown = sorted(set(extra_files) - set(EXTRA_FILES))
     if unknown:
         raise ValueError(f"not target part names: {unknown} (known: {', '.join(EXTRA_FILES)})")
-    tmp = temp_path(final)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_temp_dir(final)  # a link planted under the temp name is removed, never followed
     try:
         (tmp / CONFIG_NAME).write_bytes(config_bytes)
         tensors = {EMBED_KEY: embed.contiguous()}
         if lm_head is not None:
             tensors[LM_HEAD_KEY] = lm_head.contiguous()
-        try:
-            save_file(tensors, str(tmp / FROZEN_NAME), metadata={"source": source})
-        except (RuntimeError, ValueError) as exc:  # safetensors' refusals are multi-line
-            raise ShardError(
-                f"{final / FROZEN_NAME}: cannot write the frozen target parts: {str(exc).splitlines()[0]}"
-            ) from None
+        _save_frozen(tensors, tmp / FROZEN_NAME, final / FROZEN_NAME, source)
         for name, path in extra_files.items():
             shutil.copyfile(path, tmp / name)
         commit_dir(tmp, final)
@@ -115,6 +110,20 @@ def write_target_parts(
     return final
 
 
+def _save_frozen(tensors: dict[str, torch.Tensor], path: Path, final: Path, source: str) -> None:
+    """safetensors' save_file; its refusals and I/O errors (multi-line, of its own types) become one line."""
+    try:
+        save_file(tensors, str(path), metadata={"source": source})
+    except Exception as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "os error 28" in text or "os error 122" in text:  # ENOSPC, EDQUOT
+            raise DiskFull(
+                f"{final}: no space left on device while writing the target's frozen parts; committed work "
+                "is intact, free space and re-run the same command to resume"
+            ) from None
+        raise ShardError(f"{final}: cannot write the frozen target parts: {text}") from None
+
+
 def stale_target_dirs(cache_dir: str | os.PathLike) -> list[Path]:
     """Temp directories left by a killed writer (the caller removes them while no writer runs)."""
     return sorted(Path(cache_dir).glob(f".{TARGET_DIR}.tmp-*"))
@@ -122,8 +131,9 @@ def stale_target_dirs(cache_dir: str | os.PathLike) -> list[Path]:
 
 def _shapes(path: Path) -> dict[str, tuple[list[int], str]]:
     """name -> (shape, dtype) from the safetensors header only."""
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{path} is missing: is {path.parent.parent} a complete dflash cache?")
+    check_regular(path)  # safetensors would block on a FIFO
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             return {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
@@ -133,11 +143,12 @@ def _shapes(path: Path) -> dict[str, tuple[list[int], str]]:
 
 def check_target_parts(cache_dir: str | os.PathLike) -> TargetConfig:
     """Refuse, in one line naming the file, a CACHE/target/ training could not use: a config.json that is
-    not a decoder's, a missing embedding, a missing lm_head on an untied target, or [V, H] shapes that
-    disagree with the config. Reads headers only (no tensor data)."""
+    not a decoder's, a missing embedding, a missing lm_head on an untied target, a tensor that is not a
+    float of 16 bits or more, or [V, H] shapes that disagree with the config. Reads headers only (no tensor
+    data); the values (finite) are checked by training (`dflash.train.guards`)."""
     directory = target_dir(cache_dir)
     config_path, frozen_path = directory / CONFIG_NAME, directory / FROZEN_NAME
-    if not config_path.is_file():
+    if not os.path.lexists(config_path):  # a FIFO or directory is refused by the reader, in one line
         raise FileNotFoundError(f"{config_path} is missing: is {cache_dir} a complete dflash cache?")
     try:
         config = read_target_config(config_path)
@@ -152,7 +163,9 @@ def check_target_parts(cache_dir: str | os.PathLike) -> TargetConfig:
             f"tie_word_embeddings={config.tie_word_embeddings})"
         )
     expected = [config.vocab_size, config.hidden_size]
-    for key, (shape, _dtype) in shapes.items():
+    for key, (shape, dtype) in shapes.items():
+        if key in (EMBED_KEY, LM_HEAD_KEY) and dtype not in FLOAT_DTYPES:
+            raise ShardError(f"{frozen_path}: {key} is {dtype}, not a float of 16 bits or more")
         if key in (EMBED_KEY, LM_HEAD_KEY) and shape != expected:
             raise ShardError(
                 f"{frozen_path}: {key} is {shape}, config.json says [vocab_size, hidden_size] = {expected}"

@@ -1,4 +1,10 @@
-"""`verify_cache`: re-hash every frame and check index, footer, manifest and row coverage agree."""
+"""`verify_cache`: decode every frame and check index, footer, manifest and row coverage agree.
+
+The full check (the default) decompresses every frame: token ids inside the target's vocabulary, a 0/1
+loss mask whose ones match the index's `supervised`, frame sizes matching the index's `length`, and
+hidden states free of NaN/inf (counted from the exponent bits, without building the float output).
+`quick=True` only re-hashes the stored bytes (what `verify` did before decoding existed).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ShardError
+import numpy as np
+
+from .codecs import zstd_decompress_exact
+from .errors import CorruptFrame, ShardError
+from .layout import checksum
 from .manifest import ShardInfo
 from .paths import SHARDS_DIR
-from .reader import Cache
+from .reader import Cache, ShardReader
+from .trust import ReadLimits
 
 _SHOW = 20  # rows listed per problem line; the count is always exact
 
@@ -24,6 +35,8 @@ class VerifyReport:
     samples_checked: int = 0
     frames_checked: int = 0
     bytes_checked: int = 0
+    decoded_bytes: int = 0  # what the frames decompress to (0 with quick=True)
+    quick: bool = False
     bad_shards: dict[str, list[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -46,6 +59,8 @@ class VerifyReport:
             "samples_checked": self.samples_checked,
             "frames_checked": self.frames_checked,
             "bytes_checked": self.bytes_checked,
+            "decoded_bytes": self.decoded_bytes,
+            "quick": self.quick,
             "bad_shards": self.bad_shards,
             "problems": self.problems,
         }
@@ -69,11 +84,67 @@ def _check_against_manifest(cache: Cache, reader: Any, report: VerifyReport) -> 
         report.add(name, f"{reader.path}: hidden_size {reader.hidden_size} != manifest {m.hidden_size}")
 
 
-def verify_cache(cache: Cache, dataset_rows: int | None = None) -> VerifyReport:
-    """Check every shard (frame checksums, index, footer, manifest stats) and, given the dataset's row
-    count, that each row 0..dataset_rows-1 is stored exactly once or listed in the manifest's `skipped`."""
+def _check_sample(reader: ShardReader, i: int, limits: ReadLimits) -> tuple[list[str], int]:
+    """Problems of sample i found by decoding each frame, and the bytes its frames decode to."""
+    entry = reader.entries[i]
+    s, h = entry.length, reader.hidden_size
+    problems, decoded = [], 0
+    for k, buf in enumerate(reader.raw_frames(i)):
+        offset, length, digest = entry.frames[k]
+        where = (
+            f"{reader.path}: sample {i} (row {entry.row}) frame {reader.frame_name(k)} at {offset}+{length}"
+        )
+        if checksum(buf) != digest:
+            problems.append(f"{where}: checksum mismatch")
+            continue
+        try:
+            if k == 0:
+                ids = np.frombuffer(zstd_decompress_exact(buf, 4 * s, "input_ids"), dtype="<i4")
+                decoded += ids.nbytes
+                problem = limits.ids_problem(ids)
+                if problem:
+                    problems.append(f"{where}: {problem}")
+            elif k == 1:
+                mask = np.frombuffer(zstd_decompress_exact(buf, s, "loss_mask"), dtype=np.uint8)
+                decoded += mask.nbytes
+                ones = int(np.count_nonzero(mask))
+                if int(mask.max()) > 1:
+                    problems.append(f"{where}: loss_mask holds values other than 0/1")
+                elif ones != entry.supervised:
+                    problems.append(f"{where}: {ones} supervised tokens, the index says {entry.supervised}")
+            else:
+                bad = reader.codec.nonfinite(buf, (s, h), reader.dtype)
+                decoded += reader.codec.decoded_bytes(s, h, reader.dtype)
+                if bad:
+                    problems.append(f"{where}: {bad} non-finite (NaN/inf) values")
+        except CorruptFrame as exc:
+            problems.append(
+                f"{where}: {exc} (the index's length {s} does not match the frame, or it is corrupt)"
+            )
+    return problems, decoded
+
+
+def _check_shard(reader: ShardReader, report: VerifyReport, limits: ReadLimits) -> None:
+    if report.quick:
+        for problem in reader.verify():
+            report.add(reader.name, problem)
+        return
+    for i in range(len(reader.entries)):
+        try:
+            problems, decoded = _check_sample(reader, i, limits)
+        except ShardError as exc:  # the file shrank under us
+            problems, decoded = [str(exc)], 0
+        report.decoded_bytes += decoded
+        for problem in problems:
+            report.add(reader.name, problem)
+
+
+def verify_cache(cache: Cache, dataset_rows: int | None = None, *, quick: bool = False) -> VerifyReport:
+    """Check every shard (every frame decoded, or only re-hashed with `quick`; index, footer, manifest
+    stats) and, given the dataset's row count, that each row 0..dataset_rows-1 is stored exactly once or
+    listed in the manifest's `skipped`."""
     m = cache.manifest
-    report = VerifyReport(cache=str(cache.path), complete=m.complete)
+    report = VerifyReport(cache=str(cache.path), complete=m.complete, quick=quick)
     if not m.complete:
         report.problems.append(
             f"{cache.path}: cache is incomplete (manifest complete=false): extraction unfinished"
@@ -102,8 +173,7 @@ def verify_cache(cache: Cache, dataset_rows: int | None = None) -> VerifyReport:
         report.samples_checked += len(reader.entries)
         report.frames_checked += sum(len(e.frames) for e in reader.entries)
         report.bytes_checked += reader.file_size
-        for problem in reader.verify():
-            report.add(name, problem)
+        _check_shard(reader, report, cache.limits)
         _check_against_manifest(cache, reader, report)
         if name in listed:
             want, got = listed[name].to_dict(), reader.info().to_dict()
@@ -120,6 +190,11 @@ def verify_cache(cache: Cache, dataset_rows: int | None = None) -> VerifyReport:
             )
         if len(dups) > _SHOW:
             report.problems.append(f"{len(dups)} rows are stored more than once in all")
+    if m.complete and not where and not m.options.get("allow_empty"):
+        report.problems.append(
+            f"{cache.path}: holds no samples (an empty dataset, or every row skipped: {len(m.skipped)} "
+            "skipped); extract with --allow-empty if that is intended"
+        )
     skipped = Counter(s.get("row") for s in m.skipped if isinstance(s, dict))
     both = sorted(r for r in skipped if r in where)
     if both:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from common.synth import llm_like_layers, relative_error
 from dflash.shards import CorruptFrame, Fp8Block, codec_from_dict, get_codec, quantize_fp8
-from dflash.shards.codecs import _dequantize_fp8_cpu, dequantize_fp8, zstd_compress
+from dflash.shards.codecs import dequantize_fp8, zstd_compress
+from dflash.shards.fp8 import _dequantize_fp8_cpu
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -134,10 +135,10 @@ def test_fp8_fast_dequantize_across_chunks() -> None:
 
 
 def test_quantize_fp8_matches_the_spec_formula_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dflash.shards.codecs as codecs
+    import dflash.shards.fp8 as fp8
 
     x = llm_like_layers(300, 70, 3, seed=8)[2]
-    monkeypatch.setattr(codecs, "_QUANT_CHUNK", 1000)  # 14 rows per step
+    monkeypatch.setattr(fp8, "_QUANT_CHUNK", 1000)  # 14 rows per step
     got = quantize_fp8(x)
     x32 = x.float().clone()
     before = x32.clone()

@@ -18,6 +18,7 @@ from dflash.extract.pipeline import run_extraction
 from dflash.extract.units import CacheLocked, assign_units
 from dflash.shards.errors import DiskFull, ManifestMismatch
 from dflash.shards.manifest import load_manifest
+from dflash.shards.outdir import claim_out_dir
 from dflash.shards.reader import Cache
 from dflash.shards.verify import verify_cache
 from dflash.shards.writer import ShardWriter
@@ -165,13 +166,12 @@ def test_not_a_cache_refused(tmp_path: Path, dataset: Path, qwen3: Path) -> None
     out = tmp_path / "cache"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="not a dflash cache"):
+    with pytest.raises(ValueError, match="not written by dflash"):
         run_extraction(make_config(qwen3, dataset, out))
 
 
 def test_lock_held_by_another_process(tmp_path: Path, dataset: Path, qwen3: Path) -> None:
-    out = tmp_path / "cache"
-    out.mkdir()
+    out = claim_out_dir(tmp_path / "cache", "cache")  # as the other extraction did before locking
     holder = subprocess.Popen(
         [
             sys.executable,

@@ -141,9 +141,9 @@ def test_first_batch_comes_fast_on_a_big_cache(tmp_path: Path, monkeypatch) -> N
     opened: list[str] = []
     real_open = ShardReader.open.__func__
 
-    def counting_open(cls, path):
+    def counting_open(cls, path, *args):
         opened.append(Path(path).name)
-        return real_open(cls, path)
+        return real_open(cls, path, *args)
 
     monkeypatch.setattr(ShardReader, "open", classmethod(counting_open))
     start = time.perf_counter()

@@ -47,6 +47,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LAYERS = [1, 3]  # hybrids: a linear-attention layer and the full-attention one; both below the last layer
 STEPS = 20
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tokenizer")

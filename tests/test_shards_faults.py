@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import signal
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import xxhash
+from common.hostile import rewrite_index
 from common.synth import make_cache
 from dflash.shards import (
     Cache,
@@ -95,17 +94,6 @@ def test_reading_a_corrupt_frame_raises_naming_file_row_and_frame(tmp_path: Path
             cache.read(1)
 
 
-def _rewrite_index(path: Path, edit) -> None:
-    """Rewrite a shard's index like an attacker would: valid JSON, valid checksums, hostile content."""
-    data = path.read_bytes()
-    off, length, _, _ = FOOTER.unpack(data[-FOOTER.size :])
-    index = json.loads(data[off : off + length])
-    edit(index)
-    raw = json.dumps(index).encode()
-    footer = FOOTER.pack(off, len(raw), xxhash.xxh3_64_intdigest(raw), FOOTER_MAGIC)
-    path.write_bytes(data[:off] + raw + footer)
-
-
 def _set_frame(i: int, k: int, field: int, value: object):
     def edit(index: dict) -> None:
         index["samples"][i]["frames"][k][field] = value
@@ -134,7 +122,7 @@ def _set_frame(i: int, k: int, field: int, value: object):
 def test_hostile_indexes_are_refused_at_open(tmp_path: Path, edit, message: str) -> None:
     make_cache(tmp_path, [6, 40, 1], layers=(0, 2), hidden=24, rows_per_shard=3)
     path = tmp_path / "shards" / shard_name(0)
-    _rewrite_index(path, edit)
+    rewrite_index(path, edit)
     with pytest.raises(ShardError, match=message) as info:
         ShardReader.open(path)
     assert str(path) in str(info.value)

@@ -25,6 +25,7 @@ from dflash.shards import (
     ShardWriter,
     encode_sample,
     get_codec,
+    load_manifest,
     quantize_fp8,
     save_manifest,
     shard_name,
@@ -74,14 +75,26 @@ def test_cache_round_trip(
                     if codec == "lossless":
                         assert y.dtype == x.dtype and torch.equal(_bits(y), _bits(x))
                     else:
-                        assert y.dtype == torch.bfloat16 and relative_error(y, x) <= 0.03
-            assert verify_cache(cache, dataset_rows=len(lengths)).ok
+                        # e4m3 keeps each value within 2^-4 of itself; ~2-3% over many values, but a
+                        # handful of elements can all round the same way (a 2x4 layer measured 3.0%).
+                        assert y.dtype == torch.bfloat16 and relative_error(y, x) <= 2**-4
+            report = verify_cache(cache, dataset_rows=len(lengths))
+            assert report.ok or (not lengths and "holds no samples" in report.problems[0])
 
 
 def test_empty_cache_and_one_token_sample(tmp_path: Path) -> None:
     make_cache(tmp_path / "empty", [])
     with Cache.open(tmp_path / "empty") as cache:
         assert cache.entries() == [] and cache.shard_infos == []
+        report = verify_cache(cache, dataset_rows=0)
+        assert not report.ok and report.problems == [
+            f"{tmp_path / 'empty'}: holds no samples (an empty dataset, or every row skipped: 0 skipped); "
+            "extract with --allow-empty if that is intended"
+        ]
+    manifest = load_manifest(tmp_path / "empty")
+    manifest.options["allow_empty"] = True
+    save_manifest(tmp_path / "empty", manifest)
+    with Cache.open(tmp_path / "empty") as cache:
         assert verify_cache(cache, dataset_rows=0).ok
     # an empty shard (no samples) is valid too
     meta = ShardMeta(codec=get_codec("lossless"), layers=[0], hidden_size=4)

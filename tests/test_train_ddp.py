@@ -25,15 +25,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Records the rows each rank trains on (batches with loss_scale 0 are fillers, not training), then trains.
 _RECORDER = textwrap.dedent("""
-    import json, os, sys
+    import contextlib, json, os, sys
     from dflash.train import loader
     original = loader.StreamingLoader.iterate
     def iterate(self):
         out = open(os.path.join(os.environ["ROWS_DIR"], f"rows_rank{self.rank}.jsonl"), "a")
-        for batch, state in original(self):
-            out.write(json.dumps({"epoch": batch.epoch, "rows": batch.rows, "scale": batch.loss_scale}) + "\\n")
-            out.flush()
-            yield batch, state
+        # closing(): when the trainer closes this wrapper, the loader's own generator must close too, or its
+        # daemon threads still run at interpreter exit (seen as SIGABRT under load)
+        with contextlib.closing(original(self)) as inner:
+            for batch, state in inner:
+                out.write(json.dumps({"epoch": batch.epoch, "rows": batch.rows, "scale": batch.loss_scale}) + "\\n")
+                out.flush()
+                yield batch, state
     loader.StreamingLoader.iterate = iterate
     from dflash.train.cli import main
     sys.exit(main(sys.argv[1:]))

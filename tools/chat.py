@@ -6,12 +6,13 @@ calls these per row; a malformed conversation raises `Malformed(reason)` and is 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from dflash.shards.errors import ShardError
+from dflash.shards.safe_io import load_json
 
 Message = dict[str, str]
 
@@ -62,8 +63,8 @@ def has_generation_markers(chat_template: str | None) -> bool:
 def parse_json_row(line: str | bytes, key: str) -> Any:
     """The `key` value of one JSONL line; raises `Malformed` for bad JSON or a missing key."""
     try:
-        row = json.loads(line)
-    except (ValueError, TypeError) as exc:
+        row = load_json(line, "line")  # depth-limited: a nested bomb is a malformed row, not a RecursionError
+    except (ShardError, TypeError) as exc:
         raise Malformed("invalid_json", str(exc)) from None
     if not isinstance(row, dict):
         raise Malformed("invalid_json", f"a line holds a {type(row).__name__}, not an object")
@@ -96,8 +97,8 @@ def normalize_conversation(value: Any) -> list[Message]:
     """
     if isinstance(value, str) and value.lstrip().startswith("["):
         try:  # some datasets store the conversation as a JSON string
-            value = json.loads(value)
-        except ValueError:
+            value = load_json(value, "conversation")
+        except ShardError:
             raise Malformed("not_a_list", "a string that is not a JSON list") from None
     if not isinstance(value, (list, tuple)):
         raise Malformed("not_a_list", f"got {type(value).__name__}")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+from dflash.shards.errors import ShardError
+from dflash.shards.safe_io import load_json
 
 from .chat import FORMATS
 
@@ -112,8 +113,8 @@ def _peek_json_keys(files: list[Path]) -> set[str]:
                     )
                 seen += 1
                 try:
-                    row = json.loads(stripped)
-                except ValueError:
+                    row = load_json(stripped, str(path))
+                except ShardError:
                     continue  # counted as invalid_json later
                 if isinstance(row, dict):
                     keys.update(row)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shards.cli import run_main
+from dflash.shards.outdir import claim_out_dir
 
 PROG = "dflash-demo"
 MARKER = ".dflash-demo"  # written first: --overwrite only ever deletes a directory that holds it
@@ -282,7 +283,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             lambda r: f"untrained drafter: {_fmt_tau(r)}",
         )
         # The logger keeps a fresh run's records up to step 0, so the plots start from the untrained drafter.
-        paths["run"].mkdir()
+        claim_out_dir(paths["run"], "run")  # marked as a run: dflash-train then accepts the record below
         (paths["run"] / METRICS_FILE).write_text(json.dumps({"step": 0, **before}) + "\n")
         trained = steps.run(
             "train",

@@ -4,7 +4,9 @@
     dflash-shards ls CACHE              shards with rows, tokens, bytes
     dflash-shards show CACHE ROW        one row: length, supervised tokens, per-layer mean/std/absmax/NaN
     dflash-shards stats CACHE [--sample N]   per-layer statistics over N rows, length histogram
-    dflash-shards verify CACHE [--dataset PATH]   re-hash every frame; exit 0 only if all is well
+    dflash-shards verify CACHE [--dataset PATH] [--quick]   decode every frame (ids in vocabulary, mask
+                                        agrees with the index, no NaN/inf); --quick only re-hashes;
+                                        exit 0 only if all is well
     dflash-shards plan ARGS...          `dflash-extract --dry-run ARGS...` (sizes and costs per codec, units, free space)
     dflash-shards convert CACHE --codec C --out NEW   re-encode (e.g. lossless -> q4) without the target; resumable
 
@@ -48,8 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     stats = add("stats", "per-layer activation statistics and a length histogram")
     stats.add_argument("--sample", type=int, default=64, help="rows to decode (default 64)")
     stats.add_argument("--seed", type=int, default=0)
-    verify = add("verify", "re-hash every frame, check index/manifest and row coverage")
+    verify = add("verify", "decode every frame, check index/manifest and row coverage")
     verify.add_argument("--dataset", help="tokenized dataset: every row must be stored once or skipped")
+    verify.add_argument(
+        "--quick", action="store_true", help="only re-hash the stored bytes (no decoding: faster, weaker)"
+    )
     convert = add("convert", "re-encode every shard with another codec into a new cache (resumable)")
     convert.add_argument("--codec", required=True, choices=codec_names(), help="the new cache's codec")
     convert.add_argument("--out", required=True, help="the new cache directory (re-run to resume)")
@@ -165,7 +170,7 @@ def _main(argv: Sequence[str] | None) -> int:
                     print(f"  ({b['lo']:>6}, {b['hi']:>6}]  {b['count']}")
         else:
             rows = _dataset_rows(args.dataset) if args.dataset else None
-            report = verify_cache(cache, dataset_rows=rows)
+            report = verify_cache(cache, dataset_rows=rows, quick=args.quick)
             out = report.to_dict()
 
             def text(d: dict) -> None:
@@ -173,6 +178,7 @@ def _main(argv: Sequence[str] | None) -> int:
                 print(
                     f"{head}: {d['shards_checked']} shards, {d['samples_checked']} samples, "
                     f"{d['frames_checked']} frames, {_size(d['bytes_checked'])} checked"
+                    + (" (hashes only)" if d["quick"] else f", {_size(d['decoded_bytes'])} decoded")
                 )
                 for line in report.lines():
                     print(f"  {line}")

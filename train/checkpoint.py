@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 from dflash.shards import Manifest, diff_manifests
-from dflash.shards.atomic import commit_dir, restore_parked_dir, temp_path
+from dflash.shards.atomic import commit_dir, fresh_temp_dir, restore_parked_dir
 from dflash.shards.errors import ManifestMismatch
 from dflash.shards.manifest import PROVENANCE_FIELDS, canonical_json
+from dflash.shards.safe_io import read_json as safe_read_json
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -171,10 +172,7 @@ def save_checkpoint(
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(final)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = fresh_temp_dir(final)  # a link planted under the temp name is removed, never followed
     try:
         weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
@@ -202,8 +200,7 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def read_json(path: str | Path) -> Any:
-    with open(path) as f:
-        return json.load(f)
+    return safe_read_json(path, max_bytes=256 << 20)  # depth-limited; special files refused
 
 
 def check_complete(ckpt: Path) -> None:

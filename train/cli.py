@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shards.cli import run_main
+from dflash.shards.outdir import claim_out_dir
 
 from .config import (
     ATTENTION_CHOICES,
@@ -139,6 +140,7 @@ def export_main(argv: Sequence[str]) -> int:
 
     args = _export_parser().parse_args(argv)
     source = ckpt.find_checkpoint(args.run_dir, step=args.step, best=args.best)
+    claim_out_dir(args.out, "export")  # the --out rule of every dflash command
     meta = ckpt.read_json(source / "meta.json")
     drafter = dict(meta["drafter"])
     drafter["target_layer_ids"] = tuple(drafter["target_layer_ids"])

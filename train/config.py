@@ -8,14 +8,15 @@ section without a lookup table. Presets are plain functions returning a config.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash.shards.errors import ShardError
 from dflash.shards.layers import check_layer_ids
+from dflash.shards.safe_io import load_json
 
 ON_CORRUPT_CHOICES = ("skip", "fail")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -244,9 +245,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"{path}: not valid TOML: {exc}") from None
     else:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON: {exc}") from None
+            data = load_json(text, str(path))  # depth-limited
+        except ShardError as exc:
+            raise ValueError(str(exc)) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a table/object of flag names to values")
     return data

@@ -9,7 +9,6 @@ whose identity disagrees with the manifest (`Cache.shard`) is an unreadable shar
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 from dflash.shards import Cache, Sample
 from dflash.shards.errors import ShardError
+from dflash.shards.safe_io import load_json
 
 from .blocks import PackedBatch, make_packed_batch
 from .config import TrainConfig
@@ -140,24 +140,17 @@ def shard_entries(cache: Cache, name: str, on_corrupt: str, bad_shards: dict[str
 def read_sample(
     cache: Cache, ref: SampleRef, spec: DataSpec, *, dequantize: bool = True
 ) -> Sample | ShardError:
-    """The sample `ref` with the spec's layers, cut to `max_length`; under `skip` a corrupt sample comes
-    back as its error (the caller counts it), under `fail` it raises."""
+    """The sample `ref` with the spec's layers, cut to `max_length` while decoding (the tokens past it are
+    never decompressed: --max-length bounds memory whatever length the index claims); under `skip` a
+    corrupt sample comes back as its error (the caller counts it), under `fail` it raises."""
     try:
-        sample = cache.shard(ref.shard).read(ref.index, spec.layer_ids, dequantize=dequantize)
+        return cache.shard(ref.shard).read(
+            ref.index, spec.layer_ids, dequantize=dequantize, max_tokens=spec.max_length
+        )
     except (ShardError, OSError) as exc:
         if spec.on_corrupt != "skip":
             raise ShardError(f"{exc} (pass --on-corrupt skip to drop corrupt samples)") from None
         return exc if isinstance(exc, ShardError) else ShardError(f"row {ref.row}: {exc}")
-    m = spec.max_length
-    if sample.length > m:
-        sample.input_ids, sample.loss_mask = sample.input_ids[:m], sample.loss_mask[:m]
-        sample.hidden = {k: _first_rows(v, m) for k, v in sample.hidden.items()}
-    return sample
-
-
-def _first_rows(layer: Any, m: int) -> Any:
-    """The first m tokens of a layer: a tensor, or an undecoded Fp8Block/QBlock."""
-    return layer[:m] if isinstance(layer, torch.Tensor) else layer.head(m)
 
 
 def read_eval_rows(path: str | Path | None) -> frozenset[int]:
@@ -166,9 +159,11 @@ def read_eval_rows(path: str | Path | None) -> frozenset[int]:
         return frozenset()
     text = Path(path).read_text().strip()
     try:
-        rows = json.loads(text) if text.startswith("[") else [int(x) for x in text.split()]
+        rows = (
+            load_json(text, f"--eval-rows {path}") if text.startswith("[") else [int(x) for x in text.split()]
+        )
         return frozenset(int(r) for r in rows)
-    except ValueError:
+    except (ValueError, TypeError, ShardError):
         raise ValueError(
             f"--eval-rows {path}: expected a JSON list of row ids or one integer per line"
         ) from None

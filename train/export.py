@@ -11,7 +11,6 @@ Files are written to a temporary name and renamed, so a crash never leaves a hal
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 from dflash.shards.atomic import atomic_write, atomic_write_json
 from dflash.shards.errors import ShardError
 from dflash.shards.layers import resolve_layer_ids
+from dflash.shards.safe_io import read_json
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -164,10 +164,7 @@ def load_drafter(
     for p in (config_path, weights_path):
         if not p.is_file():
             raise FileNotFoundError(f"{p} is missing: not an HF drafter directory")
-    try:
-        raw = json.loads(config_path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ShardError(f"{config_path}: not valid JSON ({exc})") from None
+    raw = read_json(config_path, max_bytes=16 << 20)  # depth-limited; special files refused
     config = config_from_hf(raw, mask_token_id=mask_token_id)
     state: dict[str, torch.Tensor] = {}
     try:

@@ -13,12 +13,12 @@ A tied target's lm_head IS its embedding: one tensor, on every device and in eve
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from dflash.shards.errors import ShardError
+from dflash.shards.safe_io import read_json
 from dflash.shards.target_config import decoder_config
 from dflash.shards.target_parts import read_target_parts
 
@@ -77,8 +77,8 @@ def _tokenizer_size(target_dir: Path) -> int | None:
     path = target_dir / "tokenizer.json"
     if not path.is_file():
         return None
+    data = read_json(path, max_bytes=256 << 20)  # depth-limited; a FIFO is refused, not waited on
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
         ids = [int(i) for i in (data.get("model", {}).get("vocab") or {}).values()]
         ids += [int(t["id"]) for t in data.get("added_tokens", [])]
     except (ValueError, TypeError, KeyError, AttributeError) as exc:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shards.atomic import atomic_write, atomic_write_bytes
+from dflash.shards.errors import ShardError
+from dflash.shards.safe_io import load_json
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     records = []
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            records.append(load_json(line, str(path)))
+        except ShardError:
             continue
     return records
 

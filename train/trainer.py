@@ -3,8 +3,9 @@
 Everything that decides the trajectory (weights, optimizer, schedule position, data position, anchors,
 global RNGs) is in the checkpoint, so on the CPU a resumed run reproduces the uninterrupted losses bit
 for bit. Checks, in the order they run: the cache's target parts and layers before the model is built
-(`build`), the checkpoint's settings and cache identity (`resume`), each shard's identity when the
-loader or evaluation first opens it (`Cache.shard`).
+(`build`, `guards.check_trainable`), the checkpoint's settings and cache identity (`resume`), each
+shard's identity when first opened (`Cache.shard`), a NaN/inf loss or gradient (`guards.FiniteGuard`,
+read before anything is saved).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from dflash.shards import Cache
 from dflash.shards.atomic import atomic_write_json
 from dflash.shards.layers import resolve_layer_ids
+from dflash.shards.outdir import claim_out_dir
 
 from . import checkpoint as ckpt
 from .cache_checks import check_cache
@@ -32,6 +34,7 @@ from .data_spec import DataSpec, read_eval_rows
 from .evaluate import EvalSet, build_eval_set, evaluate
 from .export import export_drafter
 from .frozen import FrozenTarget, load_frozen_target
+from .guards import FiniteGuard, check_trainable
 from .loader import LoadedBatch, StreamingLoader
 from .loss import drafter_loss
 from .mask import build_attention_mask
@@ -114,6 +117,7 @@ class Trainer:
         self.step, self.best_tau, self.last_tau = 0, None, None
         self.total_steps = estimate_total_steps(cache.manifest, cfg, info.world_size)
         self.eval_set: EvalSet | None = None
+        self.guard = FiniteGuard(cache, spec.layer_ids)  # a NaN/inf loss or gradient stops the run
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> Trainer:
@@ -127,6 +131,7 @@ class Trainer:
             )
         run_dir = Path(cfg.out)
         if info.is_main:
+            claim_out_dir(run_dir, "run")  # the --out rule, before anything is cleaned up or written
             for action in ckpt.clean_interrupted_saves(run_dir):
                 log.warning("interrupted checkpoint write: %s", action)
         barrier(info)
@@ -152,6 +157,7 @@ class Trainer:
                 target_layer_ids=layer_ids,
             )
             check_cache(cache, frozen, drafter_cfg)
+            check_trainable(cache, frozen)
             spec = DataSpec.for_run(cfg, drafter_cfg, read_eval_rows(cfg.data.eval_rows))
             compute = torch.bfloat16 if info.device.type == "cuda" else torch.float32
             return cls(cfg, info, cache, frozen.to(device=info.device, dtype=compute), drafter_cfg, spec)
@@ -216,6 +222,9 @@ class Trainer:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        clipped = grad_norm if cfg.optim.grad_clip > 0 else None  # else the guard computes the norm
+        rows = [r for m in micro for r in m.rows]
+        self.guard.record(self.step + 1, rows, loss_sum, clipped, self.model.parameters())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -284,6 +293,9 @@ class Trainer:
                 last = self.step >= self.max_steps or lookahead is None
                 do_eval = cfg.eval_every > 0 and (self.step % cfg.eval_every == 0 or last)
                 logged = self.step % max(cfg.log_every, 1) == 0 or last or do_eval
+                saving = bool(cfg.save_every and self.step % cfg.save_every == 0) or last
+                if logged or saving:
+                    self.guard.check()  # synced with the log; before any checkpoint or export is written
                 # --- log (one small all-reduce on log steps)
                 if logged:
                     record = {
@@ -307,7 +319,7 @@ class Trainer:
                     self.step, self.planned_steps, record, micro[-1].epoch, self.last_tau, started
                 )
                 # --- checkpoint (rank 0 writes; the others wait so nobody races ahead of a slow disk)
-                if (cfg.save_every and self.step % cfg.save_every == 0) or last:
+                if saving:
                     last_saved = self._save_step(loader_state) or last_saved
                 if logged:  # throughput windows exclude evaluation and checkpoint time
                     window = LogWindow()

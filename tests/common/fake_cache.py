@@ -80,8 +80,10 @@ def write_fake_cache(
     noise: float = 0.3,
     seed: int = 0,
     target: dict[str, Any] | None = None,
+    nonfinite_rows: tuple[int, ...] = (),
 ) -> Path:
-    """Write CACHE/{manifest.json, shards/, target/}; rows are 0..num_samples-1, prompts unsupervised."""
+    """Write CACHE/{manifest.json, shards/, target/}; rows are 0..num_samples-1, prompts unsupervised.
+    Rows in `nonfinite_rows` hold a NaN and an inf in every layer (valid checksums: damage at the source)."""
     root = Path(path)
     config = dict(TINY_TARGET if target is None else target)
     h, vocab = config["hidden_size"], TOKENIZER_SIZE
@@ -108,6 +110,8 @@ def write_fake_cache(
                 for proj in projections:
                     x = proj[ids] if structured else np.zeros((s, h), np.float32)
                     x = x + noise * rng.standard_normal((s, h)).astype(np.float32)
+                    if row in nonfinite_rows:
+                        x[s // 2, :2] = (np.nan, np.inf)
                     hidden.append(torch.from_numpy(x).to(torch.bfloat16))
                 writer.append(encode_sample(codec_obj, row, ids, mask, hidden))
             infos.append(writer.commit())
@@ -120,7 +124,7 @@ def write_fake_cache(
         hidden_size=h,
         codec=codec_obj.to_dict(),
         dataset={"name": "fake", "rows": num_samples, "seed": seed},
-        options={"max_length": max_len},
+        options={"max_len": max_len},
         plan={"samples_per_shard": samples_per_shard},
         shards=infos,
     )

@@ -1,0 +1,213 @@
+"""Hostile and damaged inputs of `dflash-train` (issue 16): NaN samples, decompression bombs, run and
+export directories it must not write, manifests and frozen parts it must not trust, empty caches. Each
+ends in one line and exit 2, in bounded memory, and never leaves a NaN checkpoint or export behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from common.fake_cache import write_fake_cache
+from common.hostile import (
+    add_shard,
+    bomb_sample,
+    cli,
+    one_error_line,
+    resign_manifest,
+    run_measured,
+    tree_snapshot,
+)
+from common.train_cli import tiny_train_argv
+from dflash.shards import Cache, load_manifest, save_manifest, verify_cache
+from dflash.train import cli as train_cli
+from dflash.train.data_plan import heldout_mask
+from safetensors.torch import load_file, save_file
+
+PROG = "dflash-train"
+QUIET = ("--no-tensorboard", "--no-plots")
+RSS_BOUND_MB = 1000  # a tiny training run peaks near 500-600 MB here; the bomb decoded whole is > 2 GB
+BOMB_TOKENS = 1 << 23
+
+
+def _trained_row(first: int, skip: int = 0) -> int:
+    """A row id >= first the tiny preset trains on (not held out by its 0.2 hash holdout)."""
+    rows = np.arange(first, first + 100, dtype=np.int64)
+    return int(rows[~heldout_mask(rows, 0.2)][skip])
+
+
+def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert train_cli.main(argv) == 2
+    return one_error_line(capsys.readouterr().err, PROG)
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_fake_cache(tmp_path_factory.mktemp("t") / "cache", num_samples=30, samples_per_shard=10)
+
+
+@pytest.fixture
+def cache(template: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(template, tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def run(template: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished two-step run with a checkpoint (for export tests)."""
+    out = tmp_path_factory.mktemp("run") / "run"
+    assert (
+        train_cli.main(tiny_train_argv(template, out, "--max-steps", "2", "--eval-every", "0", *QUIET)) == 0
+    )
+    return out
+
+
+# --- item 1: a NaN sample with valid checksums ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_nan_sample_stops_training_naming_step_and_row(tmp_path: Path, capsys, device: str) -> None:
+    bad = _trained_row(0, skip=3)
+    cache = write_fake_cache(tmp_path / "cache", num_samples=30, samples_per_shard=10, nonfinite_rows=(bad,))
+    out = tmp_path / "run"
+    argv = tiny_train_argv(
+        cache, out, "--max-steps", "30", "--save-every", "2", "--eval-every", "2", "--device", device, *QUIET
+    )
+    line = _refused(capsys, argv)
+    assert "dflash-train: error: step " in line and f"row {bad} (layer 2: 2 NaN/inf)" in line, line
+    saved = [*out.glob("checkpoints/*/model.safetensors"), *out.glob("*/model.safetensors")]
+    for path in saved:  # whatever was written before the bad step is finite
+        assert all(torch.isfinite(t).all() for t in load_file(path).values()), path
+    losses = [
+        json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
+    ]
+    assert all(np.isfinite(losses))
+
+
+# --- item 2: bombs; --max-length applied before decoding --------------------------------------------------------
+
+
+def test_long_sample_decodes_only_max_length_tokens(cache: Path) -> None:
+    """The cache declares samples up to 2^23 tokens; training at --max-length 128 never decodes the rest."""
+    m = load_manifest(cache)
+    m.options["max_len"] = BOMB_TOKENS
+    save_manifest(cache, m)
+    add_shard(cache, 3, [bomb_sample(cache, row=_trained_row(30), tokens=BOMB_TOKENS)])
+    argv = tiny_train_argv(
+        cache, cache.parent / "run", "--epochs", "1", "--eval-every", "0", *QUIET
+    )  # every row
+    rc, err, rss = run_measured(cli("dflash.train.cli", *argv), timeout=300)
+    assert rc == 0, err[-3000:]
+    assert rss < RSS_BOUND_MB, f"peak RSS {rss} MB"
+
+
+def test_bomb_beyond_the_declared_length_is_one_line(cache: Path, capsys) -> None:
+    add_shard(cache, 3, [bomb_sample(cache, row=30, tokens=BOMB_TOKENS)])
+    line = _refused(capsys, tiny_train_argv(cache, cache.parent / "run", "--max-steps", "4", *QUIET))
+    assert f"length {BOMB_TOKENS} exceeds the 40 tokens the cache declares" in line
+
+
+# --- item 4: directories a run or an export must not write -----------------------------------------------------
+
+
+def test_run_out_over_user_files_is_refused_untouched(cache: Path, tmp_path: Path, capsys) -> None:
+    mine = tmp_path / "mine"
+    (mine / "export").mkdir(parents=True)
+    (mine / "config.json").write_text('{"mine": true}')
+    (mine / "metrics.jsonl").write_text('{"step": 1}\n')
+    (mine / "export" / "model.safetensors").write_bytes(b"my model")
+    before = tree_snapshot(mine)
+    rc = train_cli.main(tiny_train_argv(cache, mine, "--max-steps", "2", *QUIET))
+    assert tree_snapshot(mine) == before
+    assert rc == 2 and "was not written by dflash" in one_error_line(capsys.readouterr().err, PROG)
+
+
+def test_train_and_export_never_write_into_a_cache(cache: Path, run: Path, capsys) -> None:
+    config = (cache / "target" / "config.json").read_bytes()
+    for argv in (
+        tiny_train_argv(cache, cache / "target", "--max-steps", "2", *QUIET),
+        ["export", str(run), "--out", str(cache / "target")],
+        ["export", str(run), "--out", str(cache / "exports" / "new")],
+    ):
+        assert f"is inside the dflash cache {cache}" in _refused(capsys, argv)
+    assert (cache / "target" / "config.json").read_bytes() == config and not (cache / "exports").exists()
+    with Cache.open(cache) as c:
+        assert verify_cache(c).ok
+
+
+# --- items 6 and 7: manifests and frozen parts a run must not trust --------------------------------------------------
+
+
+def _frozen_path(cache: Path) -> str:
+    return str(cache / "target" / "frozen.safetensors")
+
+
+def _drop_target(cache: Path) -> tuple[str, ...]:
+    resign_manifest(cache, lambda d: d.pop("target"))
+    return ()
+
+
+def _small_vocab(cache: Path) -> tuple[str, ...]:
+    frozen = load_file(_frozen_path(cache))
+    save_file({k: v[:60].contiguous() for k, v in frozen.items()}, _frozen_path(cache))
+    return ("--mask-token-id", "55")  # a free row of the shrunken table; the cached ids (up to 89) are not
+
+
+def _manifest_vocab_past_frozen(cache: Path) -> tuple[str, ...]:
+    resign_manifest(
+        cache, lambda d: d["target"].update(vocab_size=200)
+    )  # ids up to 199 would pass the reader
+    return ()
+
+
+def _int_weights(cache: Path) -> tuple[str, ...]:
+    frozen = load_file(_frozen_path(cache))
+    save_file({k: v.to(torch.int32) for k, v in frozen.items()}, _frozen_path(cache))
+    return ()
+
+
+def _config_without_layers(cache: Path) -> tuple[str, ...]:
+    config = json.loads((cache / "target" / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (cache / "target" / "config.json").write_text(json.dumps(config))
+    return ()
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_drop_target, "target.config_sha256 is missing or malformed"),
+        (
+            _small_vocab,
+            "embed_tokens.weight is [60, 32], config.json says [vocab_size, hidden_size] = [96, 32]",
+        ),
+        (_manifest_vocab_past_frozen, "96 embedding rows, fewer than the target's vocab_size 200"),
+        (_int_weights, "embed_tokens.weight is I32, not a float of 16 bits or more"),
+        (_config_without_layers, "config.json lacks integer num_hidden_layers"),
+    ],
+)
+def test_untrustworthy_cache_refused_before_step_one(cache: Path, capsys, damage, message: str) -> None:
+    extra = damage(cache)
+    argv = tiny_train_argv(cache, cache.parent / "run", "--max-steps", "2", *QUIET, *extra)
+    assert message in _refused(capsys, argv)
+    assert not (cache.parent / "run" / "checkpoints").exists()
+
+
+# --- item 8: an empty cache ----------------------------------------------------------------------------------------
+
+
+def test_empty_cache_is_an_error(tmp_path: Path, capsys) -> None:
+    cache = write_fake_cache(tmp_path / "cache", num_samples=0)
+    line = _refused(capsys, tiny_train_argv(cache, tmp_path / "run", *QUIET))
+    assert "holds no samples (0 rows skipped at extraction): nothing to train on" in line

@@ -60,6 +60,7 @@ class DrafterRecipe:
     steps: int
     lr: float
     eval_points: int = 4  # evaluations along the full-data run: the tau-vs-steps curve
+    target_layer_ids: str | None = None  # None: DFlash's default rule for `layers` drafter layers
     extra: tuple[str, ...] = ()
 
     def flags(self) -> list[str]:
@@ -72,6 +73,7 @@ class DrafterRecipe:
             "--lr", str(self.lr),
             "--max-steps", str(self.steps),
             "--epochs", "1000",
+            *(["--target-layer-ids", self.target_layer_ids] if self.target_layer_ids else []),
             *self.extra,
         ]  # fmt: skip
 
@@ -150,15 +152,24 @@ SIZES: dict[str, Size] = {
         data=DataSpec(
             train_rows=16384, eval_rows=256, prompt_min=64, prompt_max=192, new_tokens=192, gen_batch=1024
         ),
+        # Every target layer feeds the drafter: on this shallow target, 8 features beat DFlash's default 3
+        # ([1, 3, 5]) and deeper-only ones ([3, 5, 7]) in a side-by-side sweep (BENCHMARKS.md).
         drafter=DrafterRecipe(
-            layers=3, block_size=16, num_anchors=512, token_budget=8192, steps=1500, lr=2e-3, eval_points=3
+            layers=3,
+            block_size=16,
+            num_anchors=512,
+            token_budget=8192,
+            steps=600,
+            lr=1e-3,
+            eval_points=2,
+            target_layer_ids="0,1,2,3,4,5,6,7",
         ),
         parallel_runs=8,
     ),
 }
 SIZES["full"] = replace(SIZES["quick"], seeds=3)
 
-CODECS_DEFAULT = ("lossless", "fp8")
+CODECS_DEFAULT = ("lossless", "fp8", "q4")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -272,17 +283,23 @@ def phase_data(work: Path, size: Size, tokenizer: Any, train_files: list, held_f
     return meta
 
 
-def phase_cache(work: Path, codec: str, device: str) -> tuple[Path, float]:
+def phase_cache(work: Path, codec: str, device: str, convert_from: str | None = None) -> Path:
+    """The cache of one codec: extracted from the target, or re-encoded from another codec's cache with
+    `dflash-shards convert` (no target forward: seconds instead of minutes)."""
     cache = work / f"cache-{codec}"
-    if (cache / "manifest.json").is_file() and json.loads((cache / "manifest.json").read_text()).get(
-        "complete"
-    ):
-        return cache, 0.0
-    cmd = _python("dflash.extract.cli", "--target", str(work / "target"), "--dataset", str(work / "data" / "rows.arrow"),
-                  "--out", str(cache), "--codec", codec, "--layers", "all", "--device", device, "--no-compile")  # fmt: skip
-    if device == "cpu":
-        cmd += ["--dtype", "float32"]
-    return cache, _call(cmd, work / f"extract-{codec}.log")
+    manifest = cache / "manifest.json"
+    if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
+        return cache
+    if convert_from:
+        cmd = _python("dflash.tools.shards_cli", "convert", str(work / f"cache-{convert_from}"), "--codec", codec,
+                      "--out", str(cache), "--device", device)  # fmt: skip
+    else:
+        cmd = _python("dflash.extract.cli", "--target", str(work / "target"), "--dataset", str(work / "data" / "rows.arrow"),
+                      "--out", str(cache), "--codec", codec, "--layers", "all", "--device", device, "--no-compile")  # fmt: skip
+        if device == "cpu":
+            cmd += ["--dtype", "float32"]
+    _call(cmd, work / f"cache-{codec}.log")
+    return cache
 
 
 def run_flags(
@@ -408,6 +425,22 @@ def summarize(runs: list[Run], base: dict[str, Any]) -> list[dict[str, Any]]:
             "vs_lookup": float(walks.mean() / base["prompt_lookup"]["tau_walk"]),
             "train_s": float(np.mean([r.result["train_seconds"] for r in group])),
         })  # fmt: skip
+    # A codec's cost: its drafters' mean decode-walk tau against the lossless cache's (same variant and rows).
+    for row, key in zip(
+        rows,
+        sorted({(r.variant, r.codec, r.fraction) for r in runs}, key=lambda k: (k[0], k[1], -k[2])),
+        strict=True,
+    ):
+        ref = next(
+            (
+                x
+                for x in rows
+                if x["drafter"] == f"{key[0]}: lossless, {key[2]:.0%} rows" and not x.get("failed")
+            ),
+            None,
+        )
+        if ref and not row.get("failed"):
+            row["vs_lossless"] = row["tau_walk"] / ref["tau_walk"] - 1
     return rows
 
 
@@ -416,21 +449,23 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\nheld-out rows: {base['prompt_lookup']['eval_samples']} (from files no model trained on); "
           f"block size {report['size']['drafter']['block_size']}")  # fmt: skip
     print(
-        f"{'drafter':<34} {'seeds':>5} {'tau (anchors)':>16} {'tau (walk)':>16} {'walk/lookup':>11} {'train s':>8}"
+        f"{'drafter':<34} {'seeds':>5} {'tau (anchors)':>16} {'tau (walk)':>16} {'walk/lookup':>11} "
+        f"{'vs lossless':>11} {'train s':>8}"
     )
     lookup = base["prompt_lookup"]
     print(
-        f"{'prompt lookup (n<=4)':<34} {'-':>5} {lookup['tau']:>16.3f} {lookup['tau_walk']:>16.3f} {1.0:>11.2f} {'-':>8}"
+        f"{'prompt lookup (n<=4)':<34} {'-':>5} {lookup['tau']:>16.3f} {lookup['tau_walk']:>16.3f} {1.0:>11.2f} {'-':>11} {'-':>8}"
     )
     untrained = base["untrained"]
     print(f"{'untrained drafter':<34} {'-':>5} {untrained['tau']:>16.3f} {untrained['tau_walk']:>16.3f} "
-          f"{untrained['tau_walk'] / lookup['tau_walk']:>11.2f} {'-':>8}")  # fmt: skip
+          f"{untrained['tau_walk'] / lookup['tau_walk']:>11.2f} {'-':>11} {'-':>8}")  # fmt: skip
     for row in report["table"]:
         if row.get("failed"):
             print(f"{row['drafter']:<34} FAILED (see its log under --work)")
             continue
         print(f"{row['drafter']:<34} {row['seeds']:>5} {row['tau']:>9.3f} ±{row['tau_spread']:<5.3f} "
-              f"{row['tau_walk']:>9.3f} ±{row['tau_walk_spread']:<5.3f} {row['vs_lookup']:>11.2f} {row['train_s']:>8.0f}")  # fmt: skip
+              f"{row['tau_walk']:>9.3f} ±{row['tau_walk_spread']:<5.3f} {row['vs_lookup']:>11.2f} "
+              f"{row.get('vs_lossless', float('nan')):>+11.1%} {row['train_s']:>8.0f}")  # fmt: skip
     for curve in report["curves"]:
         points = ", ".join(
             f"{p['step']}: {p['tau']:.2f}/{p.get('tau_walk', float('nan')):.2f}" for p in curve["points"]
@@ -512,7 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="--size quick (one seed)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--work", default=".bench/quality", help="phase outputs (reused when present)")
-    p.add_argument("--codecs", default=",".join(CODECS_DEFAULT))
+    p.add_argument(
+        "--codecs",
+        default=",".join(CODECS_DEFAULT),
+        help="the first is extracted, the others converted from it (dflash-shards convert)",
+    )
     p.add_argument("--seeds", type=int, help="override the size's seed count")
     p.add_argument("--fractions", help="comma-separated fractions of the training rows (default: the size's)")
     p.add_argument(
@@ -563,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     codecs = args.codecs.split(",")
     if args.stop_after == "data":
         return 0
-    timed("extract", lambda: [phase_cache(work, codec, args.device) for codec in codecs])
+    timed("extract", lambda: phase_cache(work, codecs[0], args.device))
+    timed("convert", lambda: [phase_cache(work, c, args.device, convert_from=codecs[0]) for c in codecs[1:]])
     if args.stop_after == "extract":
         return 0
     runs = plan_runs(work / args.runs_dir, size, codecs, parse_variants(args.variants))

@@ -33,7 +33,7 @@ def test_ci_size_runs_every_phase_and_reports_on_heldout_rows(tmp_path: Path, ca
     # Untrained: random logits over the vocabulary accept (almost) nothing.
     assert base["untrained"]["tau"] < 1.5
     names = {r["run"] for r in report["runs"]}
-    assert names == {"base-lossless-f1-s0", "base-fp8-f1-s0", "base-lossless-f0.5-s0"}
+    assert names == {"base-lossless-f1-s0", "base-fp8-f1-s0", "base-q4-f1-s0", "base-lossless-f0.5-s0"}
     for run in report["runs"]:
         assert 1.0 <= run["tau"] <= b and 1.0 <= run["tau_walk"] <= b
         assert run["eval_samples"] == size.data.eval_rows

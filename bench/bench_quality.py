@@ -217,6 +217,8 @@ def phase_target(work: Path, size: Size, device: str, seed: int) -> tuple[dict[s
 
     target, tokens = work / "target", work / "tokens"
     done = target / "bench_target.json"
+    if done.is_file() and (work / "data" / "rows.json").is_file():  # nothing left that needs the corpus
+        return json.loads(done.read_text()), None, [], []
     if (tokens / "corpus.json").is_file():
         corpus = json.loads((tokens / "corpus.json").read_text())
         tokenizer = AutoTokenizer.from_pretrained(str(target))
@@ -247,6 +249,7 @@ def phase_target(work: Path, size: Size, device: str, seed: int) -> tuple[dict[s
         info = train_target(size.target, tokenizer, train_files, target, device, seed)
     info["corpus"] = {"files": corpus["files"], "bytes": corpus["bytes"], "train_tokens": sum(corpus["train"]),
                       "heldout_tokens": sum(corpus["heldout"])}  # fmt: skip
+    done.write_text(json.dumps(info, indent=1) + "\n")  # later calls need neither the corpus nor its tokens
     return info, tokenizer, train_files, held_files
 
 

@@ -55,6 +55,9 @@ def test_run_logs_evaluates_checkpoints_and_exports(cache_dir: Path, tmp_path: P
     assert all(
         1.0 <= r["tau"] <= cfg.drafter.block_size and len(r["acceptance_per_position"]) == 3 for r in evals
     )
+    # Prompt lookup walks the same held-out rows: a reference that no training step can move.
+    assert 1.0 <= evals[0]["tau_walk_lookup"] <= cfg.drafter.block_size
+    assert evals[0]["tau_walk_lookup"] == evals[1]["tau_walk_lookup"]
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [8]  # keep_checkpoints=1 pruned step 4
     meta = ckpt.read_json(run / "checkpoints" / "step_000008" / "meta.json")
     assert meta["step"] == 8 and meta["config"]["lr"] == cfg.optim.lr and len(meta["manifest_sha256"]) == 64

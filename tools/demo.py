@@ -197,8 +197,9 @@ def _prepare_out(cfg: DemoConfig) -> Path:
 
 
 def _fmt_tau(result: dict[str, Any]) -> str:
-    walk = result.get("tau_walk")
-    return f"tau {result['tau']:.2f} (sampled anchors)" + (f", {walk:.2f} (decode walk)" if walk else "")
+    walk, lookup = result.get("tau_walk"), result.get("tau_walk_lookup")
+    text = f"tau {result['tau']:.2f} (sampled anchors)" + (f", {walk:.2f} (decode walk)" if walk else "")
+    return text + (f"; prompt lookup walks {lookup:.2f} on the same rows" if lookup else "")
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -327,6 +328,8 @@ def _print_closing(s: dict[str, Any]) -> None:
     walk = ""
     if s["tau_walk_before"] and s["tau_walk_after"]:
         walk = f"; decode walk {s['tau_walk_before']:.2f} -> {s['tau_walk_after']:.2f}"
+        if s["eval_after"].get("tau_walk_lookup"):
+            walk += f" (prompt lookup: {s['eval_after']['tau_walk_lookup']:.2f})"
     print(
         f"\ntau (mean accepted tokens per draft, held-out rows): {s['tau_before']:.2f} untrained -> "
         f"{s['tau_after']:.2f} trained (sampled anchors){walk}"

@@ -24,6 +24,7 @@ from .blocks import eligible_anchors
 from .data_plan import SampleRef, eval_batches
 from .data_spec import DataSpec, read_sample, shard_entries
 from .frozen import FrozenTarget
+from .lookup import lookup_accepted
 from .loss import LossStats, drafter_loss
 from .mask import build_attention_mask
 from .model import DFlashDrafter
@@ -115,6 +116,7 @@ def evaluate(
     autocast = mixed_precision(device)
     total: LossStats | None = None
     walk_steps: list[int] = []
+    lookup_steps: list[int] = []  # prompt lookup's walk over the same rows: the free baseline to beat
     evaluated = skipped = 0
     try:
         with ThreadPoolExecutor(spec.loader_threads, thread_name_prefix="dflash-eval") as pool, autocast:
@@ -137,6 +139,7 @@ def evaluate(
                 if walk:
                     for sample in samples:
                         walk_steps.extend(_walk_one(model, frozen, sample, spec, device=device))
+                        lookup_steps.extend(_lookup_walk(sample, spec.block_size))
     finally:
         model.train(was_training)
     counts = {
@@ -144,10 +147,14 @@ def evaluate(
         "eval_skipped_samples": skipped,
         "eval_skipped_shards": len(eval_set.bad_shards),
     }
-    return counts if total is None else _summary(total, walk_steps, spec.block_size) | counts
+    if total is None:
+        return counts
+    return _summary(total, walk_steps, lookup_steps, spec.block_size) | counts
 
 
-def _summary(total: LossStats, walk_steps: list[int], block_size: int) -> dict[str, Any]:
+def _summary(
+    total: LossStats, walk_steps: list[int], lookup_steps: list[int], block_size: int
+) -> dict[str, Any]:
     summary = total.summary()
     result: dict[str, Any] = {
         "eval_loss": summary["loss"],
@@ -160,6 +167,7 @@ def _summary(total: LossStats, walk_steps: list[int], block_size: int) -> dict[s
     if walk_steps:
         result["tau_walk"] = walk_tau(walk_steps)
         result["walk_steps"] = len(walk_steps)
+        result["tau_walk_lookup"] = walk_tau(lookup_steps)
     return {k: v for k, v in result.items() if not (isinstance(v, float) and math.isnan(v))}
 
 
@@ -181,3 +189,9 @@ def _walk_one(
         accepted_at[chunk] = accepted_lengths(preds[:n], labels, valid).cpu()
     # Anchors with no drafted slot in the response (a+1 outside it) never occur in the walk.
     return decode_walk(accepted_at, sample.loss_mask)
+
+
+def _lookup_walk(sample: Sample, block_size: int) -> list[int]:
+    """The same decode walk for prompt lookup (vLLM's `ngram`, n <= 4) drafting B - 1 tokens per step."""
+    accepted = lookup_accepted(sample.input_ids.numpy(), sample.loss_mask.numpy(), block_size - 1)
+    return decode_walk(torch.from_numpy(accepted), sample.loss_mask)

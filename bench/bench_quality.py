@@ -294,8 +294,10 @@ def phase_cache(work: Path, codec: str, device: str, convert_from: str | None = 
     if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
         return cache
     if convert_from:
+        # On the CPU cores: quantizing each small sample on a GPU is one synchronous round trip per layer,
+        # which measured 0.12 GB/s on an H200 box (lossless -> fp8, 16 threads).
         cmd = _python("dflash.tools.shards_cli", "convert", str(work / f"cache-{convert_from}"), "--codec", codec,
-                      "--out", str(cache), "--device", device)  # fmt: skip
+                      "--out", str(cache))  # fmt: skip
     else:
         cmd = _python("dflash.extract.cli", "--target", str(work / "target"), "--dataset", str(work / "data" / "rows.arrow"),
                       "--out", str(cache), "--codec", codec, "--layers", "all", "--device", device, "--no-compile")  # fmt: skip

@@ -59,7 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--codec", required=True, choices=codec_names(), help="the new cache's codec")
     convert.add_argument("--out", required=True, help="the new cache directory (re-run to resume)")
     convert.add_argument("--threads", type=int, default=0, help="encode threads (default: one per core)")
-    convert.add_argument("--device", default="cpu", help="where fp8/q6/q4 quantize, e.g. cuda (default cpu)")
+    convert.add_argument(
+        "--device",
+        default="cpu",
+        help="where fp8/q6/q4 quantize (default cpu; cuda pays one synchronous round trip per sample and "
+        "layer: 0.12 GB/s measured on an H200 box for ~320-token rows, slower than the CPU cores)",
+    )
     plan = sub.add_parser("plan", help="dflash-extract --dry-run with these arguments", add_help=False)
     plan.add_argument("args", nargs=argparse.REMAINDER)
     return p

@@ -108,8 +108,7 @@ def read_corpus(max_bytes: int, seed: int) -> tuple[list[str], list[str], dict[s
 
 def build_tokenizer(texts: list[str], vocab: int, out: Path, max_bytes: int) -> Any:
     """Byte-level BPE learned from the first `max_bytes` of `texts`, saved as an HF tokenizer in `out`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from dflash.tools.tiny import train_bpe_tokenizer
 
     sample, used = [], 0
     for t in texts:
@@ -117,19 +116,9 @@ def build_tokenizer(texts: list[str], vocab: int, out: Path, max_bytes: int) -> 
         used += len(t)
         if used >= max_bytes:
             break
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=[PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    return train_bpe_tokenizer(
+        sample, out, vocab_size=vocab, special_tokens=[PAD], eos_token=PAD, pad_token=PAD
     )
-    bpe.train_from_iterator(sample, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=PAD, pad_token=PAD)
-    tokenizer.save_pretrained(str(out))
-    return tokenizer
 
 
 def tokenize_files(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:

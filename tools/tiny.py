@@ -16,9 +16,10 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from . import tiny_corpus
 from .tiny_corpus import Conversation
@@ -153,9 +154,33 @@ def _quiet_transformers():
 def build_tiny_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, seed: int = 0):
     """Train a byte-level BPE on the built-in text and save it (with the chat template) to `out_dir`.
 
-    Returns the `PreTrainedTokenizerFast`. Byte-level, so any text encodes (no unknown token);
-    eos is `<|im_end|>`, pad `<|endoftext|>`, no bos (like Qwen).
+    Returns the `PreTrainedTokenizerFast`. eos is `<|im_end|>`, pad `<|endoftext|>`, no bos (like Qwen).
     """
+    return train_bpe_tokenizer(
+        tiny_corpus.tokenizer_texts(seed),
+        out_dir,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1024,
+        padding_side="right",
+    )
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    out_dir: str | Path,
+    *,
+    vocab_size: int,
+    special_tokens: Sequence[str],
+    eos_token: str,
+    pad_token: str,
+    **hf_options: Any,
+):
+    """A byte-level BPE learned from `texts` (any text encodes: no unknown token), saved to `out_dir` as an
+    HF `PreTrainedTokenizerFast` and returned; `hf_options` go to that class (chat template, padding side)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -164,18 +189,13 @@ def build_tiny_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, seed: in
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(tiny_corpus.tokenizer_texts(seed), trainer)
+    bpe.train_from_iterator(texts, trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token=IM_END,
-        pad_token=PAD_TOKEN,
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=1024,
-        padding_side="right",
+        tokenizer_object=bpe, eos_token=eos_token, pad_token=pad_token, **hf_options
     )
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer

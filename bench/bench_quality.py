@@ -312,11 +312,8 @@ def run_flags(
 ) -> list[str]:
     """The `dflash-train` command line of one run. Held-out rows = evaluation rows, plus the training rows a
     fraction leaves out (held-out rows never train)."""
-    eval_rows = set(meta["eval_rows"])
-    keep = round(run.fraction * meta["train_rows"])
-    skipped = set(range(keep, meta["train_rows"]))
-    rows_file = run.dir.parent / f"heldout-{run.fraction:g}.json"
-    rows_file.write_text(json.dumps(sorted(eval_rows | skipped)))
+    eval_rows = meta["eval_rows"]
+    rows_file = heldout_file(run.dir.parent, run.fraction)
     recipe = size.drafter
     eval_every = max(1, recipe.steps // recipe.eval_points) if run.curve else 0
     return [
@@ -326,6 +323,20 @@ def run_flags(
         "--log-every", "50", "--no-tensorboard", "--no-plots", "--no-progress",
         *recipe.flags(), *extra, *run.flags,
     ]  # fmt: skip
+
+
+def heldout_file(root: Path, fraction: float) -> Path:
+    return root / f"heldout-{fraction:g}.json"
+
+
+def write_heldout_files(root: Path, meta: dict[str, Any], fractions: tuple[float, ...]) -> None:
+    """Per training-row fraction, the rows no run of it trains on: the evaluation rows plus the training rows
+    the fraction leaves out. Written once, before runs that read them start side by side."""
+    root.mkdir(parents=True, exist_ok=True)
+    for fraction in fractions:
+        keep = round(fraction * meta["train_rows"])
+        heldout = sorted(set(meta["eval_rows"]) | set(range(keep, meta["train_rows"])))
+        heldout_file(root, fraction).write_text(json.dumps(heldout))
 
 
 def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: str, extra: list[str]) -> Run:
@@ -359,7 +370,6 @@ def evaluate_all(
     """Every drafter and prompt lookup on the same held-out rows and anchors (the trainer's evaluation)."""
     import torch
     from dflash.shards import Cache
-    from dflash.train.acceptance import decode_walk, walk_tau
     from dflash.train.config import default_gamma
     from dflash.train.data_spec import DataSpec
     from dflash.train.evaluate import build_eval_set, evaluate
@@ -382,29 +392,36 @@ def evaluate_all(
                             token_budget=recipe.token_budget, max_length=recipe.token_budget,
                             heldout_rows=rows, eval_samples=len(rows))  # fmt: skip
 
+        first = load_drafter(runs[0].dir / "final")
+        eval_set = build_eval_set(cache, spec_of(first))  # the rows do not depend on the drafter
+
         def score(drafter: DFlashDrafter) -> dict[str, Any]:
-            spec = spec_of(drafter)
-            result = evaluate(drafter.to(device=dev, dtype=torch.float32), frozen, cache,
-                              build_eval_set(cache, spec), spec, device=dev)  # fmt: skip
-            keep = ("tau", "tau_walk", "eval_loss", "eval_samples", "acceptance_per_position")
+            result = evaluate(drafter.to(device=dev, dtype=torch.float32), frozen, cache, eval_set,
+                              spec_of(drafter), device=dev)  # fmt: skip
+            keep = (
+                "tau",
+                "tau_walk",
+                "tau_walk_lookup",
+                "eval_loss",
+                "eval_samples",
+                "acceptance_per_position",
+            )
             return {k: result[k] for k in keep if k in result}
 
-        first = load_drafter(runs[0].dir / "final")
-        # Prompt lookup on exactly the rows the drafters are evaluated on.
-        eval_set = build_eval_set(cache, spec_of(first))
-        walk, sampled = [], []
-        for batch in eval_set.batches:
-            for ref in batch:
-                sample = cache.shard(ref.shard).read(ref.index, [cache.layers[0]])
-                ids, mask = sample.input_ids.numpy(), sample.loss_mask.numpy()
-                accepted = lookup_accepted(ids, mask, recipe.block_size - 1)
-                walk += decode_walk(torch.from_numpy(accepted), sample.loss_mask)
-                sampled += (accepted[accepted >= 0] + 1).tolist()
-        out["prompt_lookup"] = {"tau": float(np.mean(sampled)), "tau_walk": walk_tau(walk),
-                                "eval_samples": eval_set.num_samples}  # fmt: skip
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             out["untrained"] = score(DFlashDrafter(first.config))
+        # Prompt lookup over every anchor of the same rows; its decode walk comes with every evaluation.
+        sampled = []
+        for batch in eval_set.batches:
+            for ref in batch:
+                sample = cache.shard(ref.shard).read(ref.index, [cache.layers[0]])
+                accepted = lookup_accepted(
+                    sample.input_ids.numpy(), sample.loss_mask.numpy(), recipe.block_size - 1
+                )
+                sampled += (accepted[accepted >= 0] + 1).tolist()
+        out["prompt_lookup"] = {"tau": float(np.mean(sampled)), "tau_walk": out["untrained"]["tau_walk_lookup"],
+                                "eval_samples": eval_set.num_samples}  # fmt: skip
         for run in runs:
             run.result.update(score(load_drafter(run.dir / "final")))
     return out
@@ -414,39 +431,30 @@ def evaluate_all(
 
 
 def summarize(runs: list[Run], base: dict[str, Any]) -> list[dict[str, Any]]:
-    """One table row per (codec, fraction): mean and spread over seeds."""
-    rows = []
-    for key in sorted({(r.variant, r.codec, r.fraction) for r in runs}, key=lambda k: (k[0], k[1], -k[2])):
+    """One table row per (variant, codec, fraction): mean and spread over seeds, against prompt lookup and
+    (a codec's cost) against the lossless cache's drafters of the same variant and fraction."""
+    keys = sorted({(r.variant, r.codec, r.fraction) for r in runs}, key=lambda k: (k[0], k[1], -k[2]))
+    by_key: dict[tuple[str, str, float], dict[str, Any]] = {}
+    for key in keys:
+        name = f"{key[0]}: {key[1]}, {key[2]:.0%} rows"
         group = [r for r in runs if (r.variant, r.codec, r.fraction) == key and "tau" in r.result]
         if not group:
-            rows.append({"drafter": f"{key[0]}: {key[1]}, {key[2]:.0%} rows", "failed": True})
+            by_key[key] = {"drafter": name, "failed": True}
             continue
         taus = np.array([r.result["tau"] for r in group])
         walks = np.array([r.result["tau_walk"] for r in group])
-        rows.append({
-            "drafter": f"{key[0]}: {key[1]}, {key[2]:.0%} rows", "seeds": len(group),
+        by_key[key] = {
+            "drafter": name, "seeds": len(group),
             "tau": float(taus.mean()), "tau_spread": float(taus.max() - taus.min()),
             "tau_walk": float(walks.mean()), "tau_walk_spread": float(walks.max() - walks.min()),
             "vs_lookup": float(walks.mean() / base["prompt_lookup"]["tau_walk"]),
             "train_s": float(np.mean([r.result["train_seconds"] for r in group])),
-        })  # fmt: skip
-    # A codec's cost: its drafters' mean decode-walk tau against the lossless cache's (same variant and rows).
-    for row, key in zip(
-        rows,
-        sorted({(r.variant, r.codec, r.fraction) for r in runs}, key=lambda k: (k[0], k[1], -k[2])),
-        strict=True,
-    ):
-        ref = next(
-            (
-                x
-                for x in rows
-                if x["drafter"] == f"{key[0]}: lossless, {key[2]:.0%} rows" and not x.get("failed")
-            ),
-            None,
-        )
-        if ref and not row.get("failed"):
+        }  # fmt: skip
+    for (variant, _, fraction), row in by_key.items():
+        ref = by_key.get((variant, "lossless", fraction), {})
+        if "tau_walk" in ref and "tau_walk" in row:
             row["vs_lossless"] = row["tau_walk"] / ref["tau_walk"] - 1
-    return rows
+    return list(by_key.values())
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -612,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_after == "extract":
         return 0
     runs = plan_runs(work / args.runs_dir, size, codecs, parse_variants(args.variants))
+    write_heldout_files(work / args.runs_dir, meta, size.fractions)
     extra = args.train_args.split()
 
     def train_one(run: Run) -> Run:

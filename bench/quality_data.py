@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import math
 import sysconfig
 import time
@@ -197,7 +196,6 @@ def train_target(
         "seconds": round(seconds, 1),
         "spec": asdict(spec),
     }
-    (out / "bench_target.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
 
 
@@ -232,7 +230,6 @@ def greedy_continuations(
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval()
-    out: list[np.ndarray] = []
     order = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths share a batch
     result: dict[int, np.ndarray] = {}
     for begin in range(0, len(order), spec.gen_batch):
@@ -256,8 +253,7 @@ def greedy_continuations(
         new = generated[:, width:].cpu().numpy().astype(np.int32)
         for row, i in enumerate(idx):
             result[int(i)] = new[row]
-    out = [result[i] for i in range(len(prompts))]
-    return out
+    return [result[i] for i in range(len(prompts))]
 
 
 def write_rows(path: Path, prompts: list[np.ndarray], answers: list[np.ndarray]) -> None:

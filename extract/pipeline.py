@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from dflash.shards.codecs import get_codec
+from dflash.shards.locks import remove_stale_temp_files
 from dflash.shards.manifest import Manifest, ShardInfo, save_manifest
 from dflash.shards.outdir import claim_out_dir
 from dflash.shards.paths import MANIFEST_NAME, shard_name, shard_path
@@ -44,7 +45,6 @@ from .units import (
     check_or_write_manifest,
     committed_units,
     drop_unreadable_shards,
-    remove_stale_temp_files,
     wait_for_claim,
     wait_for_other_ranks,
 )

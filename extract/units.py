@@ -16,9 +16,6 @@ mismatch) and the second one stops with a message naming the holder.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import logging
 import os
 import socket
@@ -28,20 +25,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.shards.atomic import discard
 from dflash.shards.errors import ShardError
+from dflash.shards.locks import FileLock, is_held
 from dflash.shards.manifest import Manifest, load_manifest, refuse_other_settings, save_manifest
 from dflash.shards.outdir import check_out_dir, raise_if_not_ours
 from dflash.shards.paths import (
     LOCK_NAME,
     MANIFEST_NAME,
-    SHARDS_DIR,
     committed_shard_names,
     shard_name,
     shard_path,
     unit_of_shard,
 )
-from dflash.shards.safe_io import load_json, open_nofollow, read_regular
+from dflash.shards.safe_io import load_json, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -88,75 +84,6 @@ def assign_units(num_units: int, committed: Iterable[int], rank: int, world_size
     """The uncommitted units of `rank`: u % world_size == rank, ascending."""
     done = set(committed)
     return [u for u in range(rank, num_units, world_size) if u not in done]
-
-
-def remove_stale_temp_files(cache_dir: str | Path) -> int:
-    """Delete temp files of killed writers (only while no writer of this cache runs)."""
-    from dflash.shards.target_parts import stale_target_dirs
-    from dflash.shards.writer import stale_temp_files
-
-    raise_if_not_ours(cache_dir, "cache")
-    n = 0
-    for p in stale_temp_files(Path(cache_dir) / SHARDS_DIR):
-        p.unlink(missing_ok=True)
-        n += 1
-    for p in stale_target_dirs(cache_dir):
-        discard(p)  # a planted link is removed, never followed
-    return n
-
-
-class FileLock:
-    """An exclusive fcntl lock on one file, held until release(); content describes the holder."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._fd: int | None = None
-
-    def acquire(self, retry_seconds: float = 0.0) -> bool:
-        # Never through a symlink, never a FIFO: a planted link must not be truncated by write().
-        fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)
-        deadline = time.monotonic() + retry_seconds
-        while True:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self._fd = fd
-                return True
-            except OSError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    return False
-                time.sleep(0.1)
-
-    def write(self, info: dict[str, Any]) -> None:
-        assert self._fd is not None
-        data = json.dumps(info).encode()
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, data, 0)
-        os.fsync(self._fd)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.lockf(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-
-def is_held(path: Path) -> bool:
-    """True when some other process holds an fcntl lock on `path` (probes with a shared lock)."""
-    try:
-        fd = open_nofollow(path, os.O_RDONLY)
-    except (FileNotFoundError, ShardError):
-        return False
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True
-    else:
-        fcntl.lockf(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
 
 
 def read_holder(path: Path) -> dict[str, Any]:

@@ -20,8 +20,6 @@ for the quantizing codecs, like the extractor). Resumable and checked like an ex
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -35,16 +33,16 @@ from typing import Any
 
 import torch
 
-from .atomic import commit_dir, discard, fresh_temp_dir
+from .atomic import commit_dir, fresh_temp_dir
 from .codecs import Codec, codec_names, get_codec
 from .errors import ShardError
+from .locks import FileLock, remove_stale_temp_files
 from .manifest import Manifest, ShardInfo, load_manifest, refuse_other_settings, save_manifest
 from .outdir import claim_out_dir
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
 from .reader import Cache, ShardReader
-from .safe_io import open_nofollow
-from .target_parts import check_target_parts, stale_target_dirs, target_dir
-from .writer import Committer, EncodedSample, ShardMeta, ShardWriter, encode_sample, stale_temp_files
+from .target_parts import check_target_parts, target_dir
+from .writer import Committer, EncodedSample, ShardMeta, ShardWriter, encode_sample
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,25 +92,6 @@ def converted_manifest(source: Manifest, codec: Codec) -> Manifest:
     m.dtype = codec.stored_dtype(source.dtype)
     m.complete, m.shards = False, []
     return m
-
-
-class _Lock:
-    """NEW/.lock held (fcntl, exclusive) for the whole conversion."""
-
-    def __init__(self, path: Path):
-        self._fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)  # a planted link is refused, not followed
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self._fd)
-            raise ShardError(
-                f"{path.parent} is being written by another process (lock {path.name})"
-            ) from None
-
-    def release(self) -> None:
-        with contextlib.suppress(OSError):
-            fcntl.lockf(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
 
 
 def _start(out: Path, expected: Manifest) -> None:
@@ -206,15 +185,14 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
         check_target_parts(config.source)  # training needs them: refuse a source without before any work
         expected = converted_manifest(source.manifest, codec)
         claim_out_dir(config.out, "cache")  # the --out rule, before anything is created or deleted
-        lock = _Lock(config.out / LOCK_NAME)
+        lock = FileLock(config.out / LOCK_NAME)
+        if not lock.acquire():
+            raise ShardError(f"{config.out} is being written by another process (lock {LOCK_NAME})")
         try:
             _start(config.out, expected)
             shard_dir = config.out / SHARDS_DIR
             shard_dir.mkdir(exist_ok=True)
-            for stale in stale_temp_files(shard_dir):
-                stale.unlink(missing_ok=True)
-            for stale in stale_target_dirs(config.out):
-                discard(stale)
+            remove_stale_temp_files(config.out)
             _copy_target(config.source, config.out)
             threads = config.threads or max(1, os.cpu_count() or 1)
             converted, raw = 0, 0

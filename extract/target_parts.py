@@ -95,12 +95,10 @@ def write_target_parts(
 ) -> Path:
     """Write and check CACHE/target/ from the checkpoint; one for the same config.json is kept as is."""
     target = Path(target)
-    embed, head = read_frozen(target, dtype)
     return write_parts(
         cache_dir,
         config_bytes=(target / CONFIG_NAME).read_bytes(),
-        embed=embed,
-        lm_head=head,
+        frozen=lambda: read_frozen(target, dtype),
         extra_files={name: target / name for name in EXTRA_FILES if (target / name).is_file()},
         source=str(target),
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,13 +77,13 @@ def write_target_parts(
     cache_dir: str | os.PathLike,
     *,
     config_bytes: bytes,
-    embed: torch.Tensor,
-    lm_head: torch.Tensor | None,
+    frozen: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
     extra_files: Mapping[str, Path],
     source: str,
 ) -> Path:
-    """Write CACHE/target/ (`lm_head=None`: tied) and check it; one that already holds the same config.json
-    is kept as it is (and checked). Every failure is one line naming the file."""
+    """Write CACHE/target/ and check it; one that already holds the same config.json is kept as it is (and
+    checked), so `frozen()` -> (embed, lm_head or None when tied) reads the weights only when they are
+    written. Every failure is one line naming the file."""
     final = target_dir(cache_dir)
     if (final / CONFIG_NAME).is_file() and (final / FROZEN_NAME).is_file():
         if (final / CONFIG_NAME).read_bytes() == config_bytes:
@@ -96,6 +96,7 @@ def write_target_parts(
     tmp = fresh_temp_dir(final)  # a link planted under the temp name is removed, never followed
     try:
         (tmp / CONFIG_NAME).write_bytes(config_bytes)
+        embed, lm_head = frozen()
         tensors = {EMBED_KEY: embed.contiguous()}
         if lm_head is not None:
             tensors[LM_HEAD_KEY] = lm_head.contiguous()

@@ -126,11 +126,12 @@ def tokenize_files(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
 
 
 def target_config(spec: TargetSpec, tokenizer: Any) -> Any:
+    from dflash.tools.tiny import padded_vocab_size
     from transformers import Qwen3Config
 
     pad_id = tokenizer.convert_tokens_to_ids(PAD)
     return Qwen3Config(
-        vocab_size=64 * math.ceil((len(tokenizer) + 1) / 64),  # >= 1 free row: the drafter's mask token
+        vocab_size=padded_vocab_size(len(tokenizer)),
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
         num_hidden_layers=spec.layers,

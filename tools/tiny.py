@@ -201,13 +201,17 @@ def train_bpe_tokenizer(
     return tokenizer
 
 
+def padded_vocab_size(tokenizer_len: int) -> int:
+    """Embedding rows for a tokenizer: a multiple of 64 with at least one free row (the drafter's mask token),
+    as released Qwen checkpoints pad theirs (151,669 tokens, 151,936 rows)."""
+    return 64 * math.ceil((tokenizer_len + 1) / 64)
+
+
 def _model_config(size: TinySize, tokenizer):
     from transformers import Qwen3Config
 
-    # Pad the table to a multiple of 64 with at least one free row (the drafter's mask token).
-    vocab_size = 64 * math.ceil((len(tokenizer) + 1) / 64)
     return Qwen3Config(
-        vocab_size=vocab_size,
+        vocab_size=padded_vocab_size(len(tokenizer)),
         hidden_size=size.hidden_size,
         intermediate_size=size.intermediate_size,
         num_hidden_layers=size.num_layers,

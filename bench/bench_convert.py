@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from common.fake_cache import TINY_TARGET, write_fake_target
 from common.synth import make_cache
 from dflash.shards.convert import ConvertConfig, convert_cache
 
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             hidden=args.hidden,
             rows_per_shard=max(1, args.samples // 2),
         )
+        write_fake_target(root / "lossless" / "target", {**TINY_TARGET, "hidden_size": args.hidden}, 0)
         for src, dst in CONVERSIONS:
             out = root / dst if src == "lossless" else root / f"{src}-{dst}"
             cpu, wall = time.process_time(), time.perf_counter()

@@ -294,8 +294,7 @@ def phase_cache(work: Path, codec: str, device: str, convert_from: str | None = 
     if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
         return cache
     if convert_from:
-        # On the CPU cores: quantizing each small sample on a GPU is one synchronous round trip per layer,
-        # which measured 0.12 GB/s on an H200 box (lossless -> fp8, 16 threads).
+        # On the CPU cores (the default): decoding and zstd run there whatever --device says.
         cmd = _python("dflash.tools.shards_cli", "convert", str(work / f"cache-{convert_from}"), "--codec", codec,
                       "--out", str(cache))  # fmt: skip
     else:
@@ -315,7 +314,8 @@ def run_flags(
     eval_rows = meta["eval_rows"]
     rows_file = heldout_file(run.dir.parent, run.fraction)
     recipe = size.drafter
-    eval_every = max(1, recipe.steps // recipe.eval_points) if run.curve else 0
+    # Every run evaluates at its end too, so a call cut off before `evaluate_all` still has each tau.
+    eval_every = max(1, recipe.steps // recipe.eval_points) if run.curve else recipe.steps
     return [
         "--cache", str(work / f"cache-{run.codec}"), "--out", str(run.dir), "--seed", str(run.seed),
         "--device", device, "--eval-rows", str(rows_file), "--eval-fraction", "0",

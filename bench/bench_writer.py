@@ -101,7 +101,7 @@ def writer_stage(root: Path, samples: list[EncodedSample], per_unit: int, depth:
                     loss_mask=empty,
                     select=empty,
                 )
-                channel.put((item, [done]))
+                channel.put((item, [done], []))
         channel.put(None)
 
     feeder = threading.Thread(target=feed, daemon=True)

@@ -16,7 +16,7 @@ import torch
 from common.fake_cache import TINY_TARGET, write_fake_cache
 from common.synth import make_cache
 from dflash.shards import Cache, ManifestMismatch, ShardError, get_codec, load_manifest, verify_cache
-from dflash.shards.convert import ConvertConfig, convert_cache
+from dflash.shards.convert import ConvertConfig, convert_cache, sample_groups
 from dflash.tools.shards_cli import main as shards_main
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -88,11 +88,11 @@ _KILLED = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {tests!r})
     from dflash.shards import convert
-    encode = convert._encode
+    encode = convert._encode_group
     def slow(*args):
         time.sleep(0.02)
         return encode(*args)
-    convert._encode = slow
+    convert._encode_group = slow
     convert.convert_cache(convert.ConvertConfig(source={src!r}, out={out!r}, codec="q4", threads=1))
     """
 )
@@ -170,3 +170,20 @@ def test_cli_converts_and_reports_bad_input_in_one_line(
     assert (
         shards_main(["convert", str(tmp_path / "nope"), "--codec", "q4", "--out", str(tmp_path / "y")]) == 2
     )
+
+
+@given(
+    lengths=st.lists(st.integers(1, 300), max_size=40),
+    hidden=st.integers(1, 64),
+    limit=st.integers(1, 5000),
+)
+def test_sample_groups_cover_every_sample_in_order_within_the_limit(
+    lengths: list[int], hidden: int, limit: int
+) -> None:
+    groups = sample_groups(lengths, hidden, limit)
+    assert [i for g in groups for i in g] == list(range(len(lengths)))
+    for g in groups:
+        size = sum(lengths[i] for i in g) * hidden
+        assert size <= limit or len(g) == 1  # a sample larger than the limit travels alone
+    for a, b in zip(groups, groups[1:]):  # greedy: the next sample did not fit
+        assert (sum(lengths[i] for i in a) + lengths[b[0]]) * hidden > limit

@@ -62,8 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--device",
         default="cpu",
-        help="where fp8/q6/q4 quantize (default cpu; cuda pays one synchronous round trip per sample and "
-        "layer: 0.12 GB/s measured on an H200 box for ~320-token rows, slower than the CPU cores)",
+        help="where fp8/q6/q4 quantize (default cpu; cuda: groups of samples go to the GPU and back, "
+        "decoding and zstd stay on the CPU cores)",
     )
     plan = sub.add_parser("plan", help="dflash-extract --dry-run with these arguments", add_help=False)
     plan.add_argument("args", nargs=argparse.REMAINDER)

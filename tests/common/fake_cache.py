@@ -49,7 +49,8 @@ TINY_TARGET: dict[str, Any] = {
 TOKENIZER_SIZE = 90  # ids 90..95 are free rows: the default mask token is 90
 
 
-def _write_target(target_dir: Path, config: dict[str, Any], seed: int) -> None:
+def write_fake_target(target_dir: Path, config: dict[str, Any], seed: int) -> None:
+    """CACHE/target/ for `config`: config.json, random frozen embed/lm_head, a word-level tokenizer."""
     from tokenizers import Tokenizer, models
 
     target_dir.mkdir(parents=True, exist_ok=True)
@@ -115,7 +116,7 @@ def write_fake_cache(
                     hidden.append(torch.from_numpy(x).to(torch.bfloat16))
                 writer.append(encode_sample(codec_obj, row, ids, mask, hidden))
             infos.append(writer.commit())
-    _write_target(root / "target", config, seed)
+    write_fake_target(root / "target", config, seed)
     manifest = Manifest(
         complete=True,
         target=target_info(config, "tiny-fake-target"),

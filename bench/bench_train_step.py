@@ -125,6 +125,13 @@ def section_step(args: argparse.Namespace, setup: Setup, results: dict) -> None:
             say(f"{variant:<10}FAILED {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             traceback.print_exc(limit=3)
         _free()
+        if args.json:  # a call cut off by its time limit keeps the variants already timed
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    new = rows.get("new", {}).get("seconds_per_step")
+    for other in ("reference", "before"):
+        if new and rows.get(other, {}).get("seconds_per_step"):
+            results.setdefault("speedup", {})[f"new_vs_{other}"] = rows[other]["seconds_per_step"] / new
+            say(f"new vs {other}: {rows[other]['seconds_per_step'] / new:.2f}x")
     say("\nwhere a step's time goes (ms per step; % of the step's wall time)")
     say(profile_summary.header())
     for variant, summary in profiles.items():

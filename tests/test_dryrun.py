@@ -156,6 +156,8 @@ def test_dry_run_table(setup, capsys):
         assert word in text
     q4 = next(line for line in text.splitlines() if line.startswith("q4 "))
     assert "not measured" in q4 and "%" in q4
+    fp8 = next(line for line in text.splitlines() if line.startswith("fp8 "))
+    assert "3 seeds" in fp8 and "not measured" not in fp8  # measured on the quality benchmark
 
 
 def test_bad_target_config_is_one_line(setup, capsys):

@@ -1,9 +1,10 @@
 """`dflash-shards convert` throughput: GB/s of bf16 features re-encoded per CPU core, per conversion.
 
-    python bench/bench_convert.py [--samples 8] [--tokens 1024] [--threads 1] [--device cpu] [--json out.json]
+    python bench/bench_convert.py [--samples 8] [--tokens 1024] [--hidden 4096] [--layers 5] [--threads 1]
+                                  [--device cpu] [--json out.json]
     python bench/bench_convert.py --tiny                      # seconds, exercises the code path
 
-A lossless cache of LLM-like bf16 states (5 layers x 4096, `--samples` rows of `--tokens`) is written
+A lossless cache of LLM-like bf16 states (default 5 layers x 4096, `--samples` rows of `--tokens`) is written
 once; then lossless -> fp8, lossless -> q6, lossless -> q4 and fp8 -> q4 run with `convert_cache`.
 GB/s count the raw bf16 bytes of the converted layers: per core = / process CPU seconds (decode, quantize,
 zstd, hashing, writing; so a busy machine does not distort it), wall = / elapsed seconds with --threads.
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=5, help="cached layers per sample")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tiny", action="store_true", help="small sizes (smoke run)")
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         make_cache(
             root / "lossless",
             [args.tokens] * args.samples,
-            layers=(1, 9, 17, 25, 33),
+            layers=tuple(range(args.layers)),
             hidden=args.hidden,
             rows_per_shard=max(1, args.samples // 2),
         )
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
-        f"{args.samples} rows x {args.tokens} tokens x 5 layers x {args.hidden}, {args.threads} threads, "
+        f"{args.samples} rows x {args.tokens} tokens x {args.layers} layers x {args.hidden}, {args.threads} threads, "
         f"quantizing on {args.device}"
     )
     print(f"{'conversion':<20}{'GB/s/core':>11}{'GB/s wall':>11}{'smaller':>9}")

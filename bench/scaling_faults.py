@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.extract.cli import config_from_args
-from dflash.extract.dryrun import prepare, read_target_shape
+from dflash.extract.prepare import prepare
 from dflash.extract.units import committed_units
 from dflash.shards.reader import SHARDS_DIR
 from dflash.tools.shards_cli import main as shards_main
@@ -28,7 +28,7 @@ def extraction_fault(bench: Any, reference: Path) -> dict[str, Any]:
     out = bench.work / "cache-faults"
     shutil.rmtree(out, ignore_errors=True)
     argv = bench.extract_argv(out, codec)
-    units = len(prepare(config_from_args([str(a) for a in argv]), read_target_shape(bench.target)).units)
+    units = len(prepare(config_from_args([str(a) for a in argv])).units)
     runs: list[dict[str, Any]] = []
     for k in (n, n, max(1, n // 2)):  # killed; the same command, killed again if still running; finished
         before = len(committed_units(out)) if out.is_dir() else 0

@@ -43,7 +43,9 @@ class CodecCost:
 # In the order users choose from: exact first, then smaller and lossier.
 CODEC_COSTS: dict[str, CodecCost] = {
     "lossless": CodecCost(ratio=1.42, scale_bytes=0, rel_error=0.0),
-    "fp8": CodecCost(ratio=2.3, scale_bytes=4, rel_error=0.027, tau_delta=-0.0008, tau_spread=0.003, tau_seeds=3),
+    "fp8": CodecCost(
+        ratio=2.3, scale_bytes=4, rel_error=0.027, tau_delta=-0.0008, tau_spread=0.003, tau_seeds=3
+    ),
     "q6": CodecCost(ratio=2.72, scale_bytes=0, rel_error=0.023),
     "q4": CodecCost(ratio=4.25, scale_bytes=0, rel_error=0.10),
 }

@@ -27,8 +27,8 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

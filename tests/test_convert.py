@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -185,5 +186,5 @@ def test_sample_groups_cover_every_sample_in_order_within_the_limit(
     for g in groups:
         size = sum(lengths[i] for i in g) * hidden
         assert size <= limit or len(g) == 1  # a sample larger than the limit travels alone
-    for a, b in zip(groups, groups[1:]):  # greedy: the next sample did not fit
+    for a, b in itertools.pairwise(groups):  # greedy: the next sample did not fit
         assert (sum(lengths[i] for i in a) + lengths[b[0]]) * hidden > limit

@@ -157,8 +157,8 @@ SIZES: dict[str, Size] = {
             train_rows=16384, eval_rows=256, prompt_min=64, prompt_max=192, new_tokens=192, gen_batch=1024
         ),
         # Every target layer feeds the drafter: on this shallow target, 8 features beat DFlash's default 3
-        # ([1, 3, 5]) and deeper-only ones ([3, 5, 7]) in a side-by-side sweep at lr 2e-3 (walk 1.72 at step
-        # 500); three seeds at lr 1e-3 walked 1.41 +- 0.08 at 500 steps (BENCHMARKS.md), so 2e-3 it is.
+        # ([1, 3, 5]) and deeper-only ones ([3, 5, 7]) in a side-by-side sweep at lr 2e-3 (BENCHMARKS.md). lr
+        # made little difference between 6e-4 and 3e-3 wherever it was compared; steps made a large one.
         drafter=DrafterRecipe(
             layers=3,
             block_size=16,

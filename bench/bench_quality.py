@@ -4,8 +4,9 @@
     python bench/bench_quality.py --size full                # three seeds (fp8 vs lossless spread), data sizes
 
 Time on one H200 (BENCHMARKS.md): target 147 s, data 73 s, lossless extraction 88 s, then the runs side by
-side (~6-10 steps/s each when 3-5 share the GPU) and ~45 s of evaluation; `--unpack` a packed target and
-data to skip the first two. At 2000 steps `--quick` has not been timed end to end yet.
+side (~6-10 steps/s each when 3-5 share the GPU: ~5-8 min for `--quick`'s three at 3000 steps) and ~45 s of
+evaluation; `--unpack` a packed target and data to skip the first two. Not yet timed end to end at 3000
+steps: from scratch it likely takes longer than one 10-minute call (the phases resume in the next).
     python bench/bench_quality.py --size ci --device cpu     # seconds: every phase, tiny (CI runs this)
     python bench/bench_quality.py --size cpu --device cpu    # the development box: a real but small signal
 
@@ -164,9 +165,10 @@ SIZES: dict[str, Size] = {
             block_size=16,
             num_anchors=512,
             token_budget=8192,
-            # ~3 epochs of the 16k rows (~650 packs each): one epoch (500 steps) walked 0.51x prompt lookup,
-            # and on the `cpu` size the drafter passed prompt lookup only in its second epoch (BENCHMARKS.md).
-            steps=2000,
+            # ~4.6 epochs of the 16k rows (~650 packs each): one epoch (500 steps) walked 0.51x prompt lookup;
+            # on the `cpu` size the drafter passed prompt lookup in its second epoch and 1.5x of it in its
+            # fifth (1.6x after ~8, BENCHMARKS.md).
+            steps=3000,
             lr=1e-3,  # as the three-seed runs at 500 steps, so the next measurement changes only the steps
             eval_points=4,
             target_layer_ids="0,1,2,3,4,5,6,7",

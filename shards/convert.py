@@ -26,9 +26,8 @@ import os
 import shutil
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from .outdir import claim_out_dir
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
 from .reader import Cache, ShardReader
 from .target_parts import check_target_parts, target_dir
+from .threads import torch_threads
 from .writer import Committer, EncodedSample, ShardMeta, ShardWriter, encode_sample
 
 
@@ -213,18 +213,6 @@ def _convert_shard(
     return writer, raw
 
 
-@contextmanager
-def _one_torch_thread_each() -> Iterator[None]:
-    """The encode threads are the parallelism: torch's own intra-op threads on top of them oversubscribe the
-    cores (q4 on 2 cores: 0.06 GB/s with torch's default against 0.13 with one)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def convert_cache(config: ConvertConfig) -> ConvertResult:
     """Convert (or resume converting) `config.source` into `config.out`; see the module docstring."""
     t0 = time.perf_counter()
@@ -247,8 +235,10 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
             _copy_target(config.source, config.out)
             threads = config.threads or max(1, os.cpu_count() or 1)
             converted, raw = 0, 0
+            # The encode threads are the parallelism: torch's intra-op threads on top of them oversubscribe
+            # the cores (q4 on 2 cores: 0.06 GB/s with torch's default against 0.13 with one thread).
             with (
-                _one_torch_thread_each(),
+                torch_threads(1),
                 ThreadPoolExecutor(threads, thread_name_prefix="dflash-convert") as pool,
                 Committer() as committer,
             ):

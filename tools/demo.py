@@ -31,6 +31,7 @@ from typing import Any
 
 from dflash.shards.cli import run_main
 from dflash.shards.outdir import claim_out_dir
+from dflash.shards.threads import torch_threads
 
 PROG = "dflash-demo"
 MARKER = ".dflash-demo"  # written first: --overwrite only ever deletes a directory that holds it
@@ -175,18 +176,6 @@ class _Steps:
             yield
 
 
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _prepare_out(cfg: DemoConfig) -> Path:
     out = Path(cfg.out).resolve()
     if out.is_dir() and any(out.iterdir()):  # DemoConfig checked --overwrite and the marker
@@ -222,7 +211,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     paths["plots"] = paths["run"] / "plots"
     steps = _Steps(out, cfg.verbose)
     print(f"{PROG}: tiny pipeline into {out} (size {cfg.size if isinstance(cfg.size, str) else 'custom'})")
-    with _torch_threads(cfg.threads):
+    with torch_threads(cfg.threads):
         from dflash.extract.config import ExtractConfig
         from dflash.extract.pipeline import run_extraction
         from dflash.train.trainer import train

@@ -67,6 +67,12 @@ def say(line: str = "") -> None:
     print(line, flush=True)
 
 
+def save(args: argparse.Namespace, results: dict) -> None:
+    """--json rewritten with everything measured so far (a call cut off by its time limit keeps it)."""
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
 def _free() -> None:
     # Every variant and section compiles for itself (from Inductor's on-disk cache when it can): shapes of
     # earlier sections must not use up Dynamo's per-function recompile limit (8), past which it runs eagerly.
@@ -125,8 +131,7 @@ def section_step(args: argparse.Namespace, setup: Setup, results: dict) -> None:
             say(f"{variant:<10}FAILED {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             traceback.print_exc(limit=3)
         _free()
-        if args.json:  # a call cut off by its time limit keeps the variants already timed
-            Path(args.json).write_text(json.dumps(results, indent=1))
+        save(args, results)  # per variant: the new step's number survives a cut-off call
     new = rows.get("new", {}).get("seconds_per_step")
     for other in ("reference", "before"):
         if new and rows.get(other, {}).get("seconds_per_step"):
@@ -389,8 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc(limit=5)
             results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:500]
         _free()
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
+        save(args, results)
     say(f"\ntotal {time.perf_counter() - _START:.0f} s")
     return 0
 

@@ -1,12 +1,11 @@
 """Drafter quality on a target whose outputs mean something: is the drafter better than copying?
 
-    python bench/bench_quality.py --quick                    # one H200: one seed, every codec (see below)
+    python bench/bench_quality.py --quick                    # one H200: one seed, lossless and fp8 caches
     python bench/bench_quality.py --size full                # three seeds (fp8 vs lossless spread), data sizes
 
-Time on one H200 (BENCHMARKS.md): target 147 s, data 73 s, lossless extraction 88 s, then the runs side by
-side (~6-10 steps/s each when 3-5 share the GPU: ~5-8 min for `--quick`'s three at 3000 steps) and ~45 s of
-evaluation; `--unpack` a packed target and data to skip the first two. Not yet timed end to end at 3000
-steps: from scratch it likely takes longer than one 10-minute call (the phases resume in the next).
+Time on one H200 (BENCHMARKS.md): target 147 s, data 73 s (`--unpack` a packed target and data to skip both),
+extraction ~2 min (one `dflash-extract` per codec, side by side), then the runs side by side (each codec's as
+soon as its cache is complete; --quick's two at 3000 steps, ~4.6 epochs) and ~45 s of evaluation.
     python bench/bench_quality.py --size ci --device cpu     # seconds: every phase, tiny (CI runs this)
     python bench/bench_quality.py --size cpu --device cpu    # the development box: a real but small signal
 
@@ -27,13 +26,16 @@ Prints one table and writes `--work/quality.json`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,7 @@ class Size:
     seeds: int = 1
     fractions: tuple[float, ...] = (0.25, 0.5, 1.0)  # of the training rows, for tau vs data size
     parallel_runs: int = 1
+    codecs: tuple[str, ...] = ("lossless", "fp8", "q4")
 
 
 SIZES: dict[str, Size] = {
@@ -174,12 +177,12 @@ SIZES: dict[str, Size] = {
             target_layer_ids="0,1,2,3,4,5,6,7",
         ),
         fractions=(1.0,),  # the data-size curve is the full size's: three more runs do not fit in 10 minutes
+        # q4's run is the full size's: a third run side by side does not fit in 10 minutes either.
+        codecs=("lossless", "fp8"),
         parallel_runs=8,
     ),
 }
-SIZES["full"] = replace(SIZES["quick"], seeds=3, fractions=(0.25, 0.5, 1.0))
-
-CODECS_DEFAULT = ("lossless", "fp8", "q4")
+SIZES["full"] = replace(SIZES["quick"], seeds=3, fractions=(0.25, 0.5, 1.0), codecs=("lossless", "fp8", "q4"))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -296,22 +299,16 @@ def phase_data(work: Path, size: Size, tokenizer: Any, train_files: list, held_f
     return meta
 
 
-def phase_cache(work: Path, codec: str, device: str, convert_from: str | None = None) -> Path:
-    """The cache of one codec: extracted from the target, or re-encoded from another codec's cache with
-    `dflash-shards convert` (no target forward: seconds instead of minutes)."""
+def phase_cache(work: Path, codec: str, device: str) -> Path:
+    """The cache of one codec, extracted from the target by the real `dflash-extract` CLI."""
     cache = work / f"cache-{codec}"
     manifest = cache / "manifest.json"
     if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
         return cache
-    if convert_from:
-        # On the CPU cores (the default): decoding and zstd run there whatever --device says.
-        cmd = _python("dflash.tools.shards_cli", "convert", str(work / f"cache-{convert_from}"), "--codec", codec,
-                      "--out", str(cache))  # fmt: skip
-    else:
-        cmd = _python("dflash.extract.cli", "--target", str(work / "target"), "--dataset", str(work / "data" / "rows.arrow"),
-                      "--out", str(cache), "--codec", codec, "--layers", "all", "--device", device, "--no-compile")  # fmt: skip
-        if device == "cpu":
-            cmd += ["--dtype", "float32"]
+    cmd = _python("dflash.extract.cli", "--target", str(work / "target"), "--dataset", str(work / "data" / "rows.arrow"),
+                  "--out", str(cache), "--codec", codec, "--layers", "all", "--device", device, "--no-compile")  # fmt: skip
+    if device == "cpu":
+        cmd += ["--dtype", "float32"]
     _call(cmd, work / f"cache-{codec}.log")
     return cache
 
@@ -324,7 +321,7 @@ def run_flags(
     eval_rows = meta["eval_rows"]
     rows_file = heldout_file(run.dir.parent, run.fraction)
     recipe = size.drafter
-    # Every run evaluates at its end too, so a call cut off before `evaluate_all` still has each tau.
+    # Every run evaluates at its end too, so a call cut off before its `Scorer` turn still has each tau.
     eval_every = max(1, recipe.steps // recipe.eval_points) if run.curve else recipe.steps
     return [
         "--cache", str(work / f"cache-{run.codec}"), "--out", str(run.dir), "--seed", str(run.seed),
@@ -374,67 +371,81 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
 # --- evaluation ---------------------------------------------------------------------------------------
 
 
-def evaluate_all(
-    work: Path, size: Size, meta: dict[str, Any], runs: list[Run], device: str
-) -> dict[str, Any]:
-    """Every drafter and prompt lookup on the same held-out rows and anchors (the trainer's evaluation)."""
-    import torch
-    from dflash.shards import Cache
-    from dflash.train.config import default_gamma
-    from dflash.train.data_spec import DataSpec
-    from dflash.train.evaluate import build_eval_set, evaluate
-    from dflash.train.export import load_drafter
-    from dflash.train.frozen import load_frozen_target
-    from dflash.train.lookup import lookup_accepted
-    from dflash.train.model import DFlashDrafter
+class Scorer:
+    """Every drafter and prompt lookup on the same held-out rows and anchors (the trainer's evaluation). Each
+    run is scored as soon as it is exported; the first one also computes the baselines (the untrained
+    drafter, prompt lookup), so little evaluation is left once the last run ends."""
 
-    recipe = size.drafter
-    dev = torch.device(device)
-    rows = frozenset(meta["eval_rows"])
-    out: dict[str, Any] = {}
-    with Cache.open(work / f"cache-{runs[0].codec}") as cache:
-        frozen = load_frozen_target(cache.path).to(device=dev, dtype=torch.float32)
+    KEEP = ("tau", "tau_walk", "tau_walk_lookup", "eval_loss", "eval_samples", "acceptance_per_position")
 
-        def spec_of(drafter: DFlashDrafter) -> DataSpec:
-            c = drafter.config
-            return DataSpec(layer_ids=c.target_layer_ids, block_size=c.block_size, mask_token_id=c.mask_token_id,
-                            num_anchors=recipe.num_anchors, gamma=default_gamma(c.block_size),
-                            token_budget=recipe.token_budget, max_length=recipe.token_budget,
-                            heldout_rows=rows, eval_samples=len(rows))  # fmt: skip
+    def __init__(self, work: Path, size: Size, meta: dict[str, Any], device: str, codec: str) -> None:
+        self.work, self.size, self.rows, self.device = work, size, frozenset(meta["eval_rows"]), device
+        self.codec = codec  # whose cache's features every drafter is scored on: the first codec's (lossless)
+        self.baselines: dict[str, Any] = {}
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+        self._stack = contextlib.ExitStack()
 
-        first = load_drafter(runs[0].dir / "final")
-        eval_set = build_eval_set(cache, spec_of(first))  # the rows do not depend on the drafter
+    def score(self, run: Run) -> None:
+        from dflash.train.export import load_drafter
 
-        def score(drafter: DFlashDrafter) -> dict[str, Any]:
-            result = evaluate(drafter.to(device=dev, dtype=torch.float32), frozen, cache, eval_set,
-                              spec_of(drafter), device=dev)  # fmt: skip
-            keep = (
-                "tau",
-                "tau_walk",
-                "tau_walk_lookup",
-                "eval_loss",
-                "eval_samples",
-                "acceptance_per_position",
-            )
-            return {k: result[k] for k in keep if k in result}
+        with self._lock:
+            start = time.perf_counter()
+            if not self.baselines:
+                self._open(run)
+            run.result.update(self._score(load_drafter(run.dir / "final")))
+            self.seconds += time.perf_counter() - start
 
+    def close(self) -> None:
+        self._stack.close()
+
+    def _spec(self, drafter: Any) -> Any:
+        from dflash.train.config import default_gamma
+        from dflash.train.data_spec import DataSpec
+
+        c, recipe = drafter.config, self.size.drafter
+        return DataSpec(layer_ids=c.target_layer_ids, block_size=c.block_size, mask_token_id=c.mask_token_id,
+                        num_anchors=recipe.num_anchors, gamma=default_gamma(c.block_size),
+                        token_budget=recipe.token_budget, max_length=recipe.token_budget,
+                        heldout_rows=self.rows, eval_samples=len(self.rows))  # fmt: skip
+
+    def _score(self, drafter: Any) -> dict[str, Any]:
+        import torch
+        from dflash.train.evaluate import evaluate
+
+        dev = torch.device(self.device)
+        result = evaluate(drafter.to(device=dev, dtype=torch.float32), self.frozen, self.cache, self.eval_set,
+                          self._spec(drafter), device=dev)  # fmt: skip
+        return {k: result[k] for k in self.KEEP if k in result}
+
+    def _open(self, first: Run) -> None:
+        import torch
+        from dflash.shards import Cache
+        from dflash.train.evaluate import build_eval_set
+        from dflash.train.export import load_drafter
+        from dflash.train.frozen import load_frozen_target
+        from dflash.train.lookup import lookup_accepted
+        from dflash.train.model import DFlashDrafter
+
+        self.cache = cache = self._stack.enter_context(Cache.open(self.work / f"cache-{self.codec}"))
+        self.frozen = load_frozen_target(cache.path).to(device=torch.device(self.device), dtype=torch.float32)
+        drafter = load_drafter(first.dir / "final")
+        self.eval_set = build_eval_set(cache, self._spec(drafter))  # the rows do not depend on the drafter
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            out["untrained"] = score(DFlashDrafter(first.config))
+            untrained = self._score(DFlashDrafter(drafter.config))
         # Prompt lookup over every anchor of the same rows; its decode walk comes with every evaluation.
         sampled = []
-        for batch in eval_set.batches:
+        for batch in self.eval_set.batches:
             for ref in batch:
                 sample = cache.shard(ref.shard).read(ref.index, [cache.layers[0]])
                 accepted = lookup_accepted(
-                    sample.input_ids.numpy(), sample.loss_mask.numpy(), recipe.block_size - 1
+                    sample.input_ids.numpy(), sample.loss_mask.numpy(), self.size.drafter.block_size - 1
                 )
                 sampled += (accepted[accepted >= 0] + 1).tolist()
-        out["prompt_lookup"] = {"tau": float(np.mean(sampled)), "tau_walk": out["untrained"]["tau_walk_lookup"],
-                                "eval_samples": eval_set.num_samples}  # fmt: skip
-        for run in runs:
-            run.result.update(score(load_drafter(run.dir / "final")))
-    return out
+        lookup = {"tau": float(np.mean(sampled)), "tau_walk": untrained["tau_walk_lookup"],
+                  "eval_samples": self.eval_set.num_samples}  # fmt: skip
+        self.baselines.update(untrained=untrained, prompt_lookup=lookup)
 
 
 # --- report -------------------------------------------------------------------------------------------
@@ -572,8 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=".bench/quality", help="phase outputs (reused when present)")
     p.add_argument(
         "--codecs",
-        default=",".join(CODECS_DEFAULT),
-        help="the first is extracted, the others converted from it (dflash-shards convert)",
+        help="comma-separated caches to extract and train on (default: the size's)",
     )
     p.add_argument("--seeds", type=int, help="override the size's seed count")
     p.add_argument("--fractions", help="comma-separated fractions of the training rows (default: the size's)")
@@ -622,21 +632,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.pack:
         print(f"packed: {[str(x) for x in pack(work, Path(args.pack))]}", flush=True)
-    codecs = args.codecs.split(",")
+    codecs = args.codecs.split(",") if args.codecs else list(size.codecs)
     if args.stop_after == "data":
         return 0
-    timed("extract", lambda: phase_cache(work, codecs[0], args.device))
-    timed("convert", lambda: [phase_cache(work, c, args.device, convert_from=codecs[0]) for c in codecs[1:]])
+    # One extraction per codec, side by side: each leaves most of the box idle (per-row work bounds it, not
+    # the target's forward nor the disk), and each codec's runs start as soon as its own cache is complete.
+    extractor = ThreadPoolExecutor(len(codecs), thread_name_prefix="extract")
+    caches = {
+        c: extractor.submit(timed, f"extract {c}", partial(phase_cache, work, c, args.device)) for c in codecs
+    }
     if args.stop_after == "extract":
-        return 0
+        extractor.shutdown(wait=True)
+        return 0 if all(f.exception() is None for f in caches.values()) else 1
     runs = plan_runs(work / args.runs_dir, size, codecs, parse_variants(args.variants))
     write_heldout_files(work / args.runs_dir, meta, size.fractions)
     extra = args.train_args.split()
 
+    scorer = Scorer(work, size, meta, args.device, codecs[0])
+
     def train_one(run: Run) -> Run:
         try:
+            caches[run.codec].result()
             phase_run(run, work, size, meta, args.device, extra)
             print(f"[run] {run.name} done ({run.result['train_seconds']:.0f} s)", flush=True)
+            caches[codecs[0]].result()
+            scorer.score(run)
         except Exception as exc:  # one failed recipe must not cost the others
             run.result["error"] = str(exc)
             print(f"[run] {run.name} FAILED: {exc}", flush=True)
@@ -644,8 +664,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with ThreadPoolExecutor(args.parallel or size.parallel_runs) as pool:
         runs = timed("train", lambda: list(pool.map(train_one, runs)))
+    extractor.shutdown(wait=True)
     good = [r for r in runs if "error" not in r.result]
-    baselines = timed("evaluate", lambda: evaluate_all(work, size, meta, good, args.device)) if good else {}
+    scorer.close()
+    seconds["evaluate (during train)"] = round(scorer.seconds, 1)
+    baselines = scorer.baselines
     report = {
         "size": asdict(size),
         "target": info,

@@ -28,6 +28,7 @@ from dflash.shards.locks import remove_stale_temp_files
 from dflash.shards.manifest import Manifest, ShardInfo, save_manifest
 from dflash.shards.outdir import claim_out_dir
 from dflash.shards.paths import MANIFEST_NAME, shard_name, shard_path
+from dflash.shards.threads import keep_own_threads, one_torch_thread
 from dflash.shards.writer import ShardMeta
 
 from .config import ExtractConfig
@@ -138,6 +139,7 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
 
     def guarded(fn: Any, *args: Any, **kwargs: Any) -> None:
         try:
+            one_torch_thread()
             fn(*args, **kwargs)
         except Stopped:
             pass
@@ -148,7 +150,10 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
     element = torch.finfo(s.dtype).bits // 8
     raw_per_token = len(s.layers) * s.run.target.hidden_size * element
     unit_path = lambda u: shard_path(cfg.out, shard_name(u))  # noqa: E731
-    pool = ThreadPoolExecutor(max_workers=threads_n, thread_name_prefix="dflash-encode")
+    keep_own_threads()  # the forward's CPU ops (a CPU target) keep every core
+    pool = ThreadPoolExecutor(
+        max_workers=threads_n, thread_name_prefix="dflash-encode", initializer=one_torch_thread
+    )
     threads = [
         threading.Thread(
             target=guarded,

@@ -35,9 +35,17 @@ from .codecs import register_codec
 from .fp8 import Fp8Block
 
 GROUP = 32  # channels per group scale
-# Elements per step (measured best on one CPU core; they also bound the GPU's float32 temporaries).
+# Elements per step. On a CPU, the best measured on one core (larger fresh temporaries cost more in page
+# faults than the math). On a GPU each step is ~25 kernel launches: at the CPU's sizes a Qwen3-8B batch of
+# q4 took ~8,000 launches per layer set and extraction ran at 0.61x the bare forward (BENCHMARKS.md), so
+# steps there are 16M elements (a 64 MiB float32 temporary, as fp8's).
 _QUANT_CHUNK = 1 << 20
 _DEQUANT_CHUNK = 1 << 18
+_GPU_CHUNK = 1 << 24
+
+
+def _chunk(cpu_elements: int, device: torch.device) -> int:
+    return cpu_elements if device.type == "cpu" else max(cpu_elements, _GPU_CHUNK)
 
 
 def _ratio_table() -> torch.Tensor:
@@ -181,12 +189,15 @@ def quantize_q(
         seg = _to_device(np.repeat(np.arange(len(lengths)), lengths), dev)
     else:
         seg = None
-    step = max(1, _QUANT_CHUNK // (groups * GROUP))
-    buf = torch.zeros((min(step, n), groups * GROUP), dtype=torch.float32, device=dev)  # pad columns stay 0
+    step = max(1, _chunk(_QUANT_CHUNK, dev) // (groups * GROUP))
+    # Past column h the buffer is zero in every step: a group's padding never sets its maximum.
+    buf = torch.zeros((min(step, n), groups * GROUP), dtype=torch.float32, device=dev)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         y = buf[: r1 - r0]
         y[:, :h].copy_(x[r0:r1]).mul_(inv if seg is None else inv[seg[r0:r1]])
+        if h < groups * GROUP:  # the last step's division left NaN there in a non-finite token's row
+            y[:, h:].zero_()
         yg = y.view(r1 - r0, groups, GROUP)
         # max(amax, -amin): no |y| temporary; NaN propagates
         gmax = torch.maximum(yg.amax(dim=2), yg.amin(dim=2).neg_())
@@ -218,7 +229,7 @@ def dequantize_q(
     ratio = _ratio_table_on(codes.device)
     ng = groups.shape[1]
     channel = channel_multipliers(block.channel_scales)
-    step = max(1, _DEQUANT_CHUNK // h)
+    step = max(1, _chunk(_DEQUANT_CHUNK, codes.device) // h)
     for r0 in range(0, s, step):
         r1 = min(s, r0 + step)
         v = codes[r0:r1].float()  # a fresh contiguous tensor

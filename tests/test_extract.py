@@ -284,3 +284,27 @@ def test_json_output(tmp_path: Path, dataset: Path, qwen3: Path, capsys) -> None
     d = json.loads(out)
     assert d["complete"] and d["tokens"] > 0 and d["bytes_per_token"] > 0
     assert set(d["stages"]) == {"gather", "forward", "d2h", "write"}
+
+
+def test_worker_threads_run_torch_on_one_thread(
+    tmp_path: Path, dataset: Path, qwen3: Path, monkeypatch
+) -> None:
+    """Encoders run torch on themselves alone; the thread running the (here CPU) forward keeps its count."""
+    from dflash.extract import stages
+
+    seen: set[int] = set()
+    real_encode = stages.encode_sample
+
+    def spy(*args):
+        seen.add(torch.get_num_threads())
+        return real_encode(*args)
+
+    monkeypatch.setattr(stages, "encode_sample", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert run_extraction(make_config(qwen3, dataset, tmp_path / "cache")).complete
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {1}

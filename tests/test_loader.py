@@ -208,3 +208,31 @@ def test_closing_the_stream_joins_every_thread_before_the_cache_closes(cache_dir
     alive = [t.name for t in threading.enumerate() if t.name.startswith("dflash-")]
     loader.cache.close()
     assert alive == []
+
+
+def test_loader_threads_run_torch_on_one_thread_and_the_consumer_keeps_its_own(
+    cache_dir: Path, monkeypatch
+) -> None:
+    """Each loader thread's torch ops stay on that thread (an OpenMP team per loader thread oversubscribed a
+    16-core box ~16x), while the training thread keeps the count it had."""
+    seen: dict[str, int] = {}
+    loader = _loader(cache_dir)
+    read, build = loader._read, loader._build
+
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            seen[threading.current_thread().name.rsplit("_", 1)[0]] = torch.get_num_threads()
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(loader, "_read", spy(read))
+    monkeypatch.setattr(loader, "_build", spy(build))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _collect(loader, limit=3)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"dflash-decode": 1, "dflash-build": 1}

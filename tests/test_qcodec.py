@@ -234,3 +234,23 @@ def test_short_rows_keep_their_error_bounded() -> None:
         for seed in range(4):
             x = _data("gauss", s, 256, seed)
             assert relative_error(codec.decode(codec.encode(x), (s, 256), "bfloat16"), x) <= 0.14, (s, seed)
+
+
+@pytest.mark.parametrize("levels", [7, 31])
+def test_results_do_not_depend_on_the_step_size(monkeypatch: pytest.MonkeyPatch, levels: int) -> None:
+    """Steps are row ranges and every operation is per row, so the GPU's larger steps give the CPU's bytes."""
+    import dflash.shards.qcodec as qcodec
+
+    lengths = [5, 300, 1, 33]
+    x = llm_like_layers(sum(lengths), 70, 1, seed=4)[0]
+    x[17, 3] = float("nan")
+    results = []
+    for elements in (100, 10**9):  # one or two rows per step; everything in one step
+        monkeypatch.setattr(qcodec, "_chunk", lambda cpu, device, n=elements: n)
+        codes, groups, scales, channel = quantize_q(x, levels, lengths)
+        rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        decoded = dequantize_q(QBlock(codes, groups, scales, channel), row_of_token=rows)
+        results.append((codes, groups, scales, channel, decoded))
+    for name, a, b in zip(("codes", "groups", "scales", "channel", "decoded"), *results, strict=True):
+        assert torch.equal(torch.isnan(a.float()), torch.isnan(b.float())), name
+        assert torch.equal(a.float().nan_to_num(), b.float().nan_to_num()), name

@@ -32,6 +32,7 @@ import torch
 from dflash.shards import Cache, Sample
 from dflash.shards.errors import ShardError
 from dflash.shards.layers import check_cached
+from dflash.shards.threads import keep_own_threads, one_torch_thread
 
 from .blocks import PackedBatch
 from .config import TrainConfig
@@ -220,10 +221,13 @@ class StreamingLoader:
 
     def iterate(self) -> Iterator[tuple[LoadedBatch, dict[str, int]]]:
         """Yield (batch, state after it) until the last epoch ends; closing the generator stops every stage."""
+        keep_own_threads()  # the training thread's CPU ops keep every core
         stop = threading.Event()
         built: queue.Queue = queue.Queue(maxsize=self.spec.prefetch_batches)
-        decode_pool = ThreadPoolExecutor(self.spec.loader_threads, thread_name_prefix="dflash-decode")
-        build_pool = ThreadPoolExecutor(2, thread_name_prefix="dflash-build")
+        decode_pool = ThreadPoolExecutor(
+            self.spec.loader_threads, thread_name_prefix="dflash-decode", initializer=one_torch_thread
+        )
+        build_pool = ThreadPoolExecutor(2, thread_name_prefix="dflash-build", initializer=one_torch_thread)
 
         def put(q: queue.Queue, item: object) -> bool:
             while not stop.is_set():
@@ -284,6 +288,7 @@ class StreamingLoader:
     def _copier(self, built: queue.Queue, out: queue.Queue, put, stop: threading.Event) -> None:
         """Host-to-device copies on a side stream, one batch ahead of the consumer."""
         try:
+            one_torch_thread()
             torch.cuda.set_device(self.device)  # a new thread starts on device 0
             stream = torch.cuda.Stream(device=self.device)
             while not stop.is_set():

@@ -1,6 +1,7 @@
 """`dflash-train` end to end on one GPU: a cache written here, the loader alone, then real training.
 
     python bench/bench_train.py [--quick] [--json out.json]          # Qwen3-8B-shaped drafter on CUDA
+    python bench/bench_train.py --small [--quick]                      # the small drafter: per-step overhead
     python bench/bench_train.py --tiny --device cpu                   # exercises every code path on a CPU
 
 Per codec (lossless, fp8):
@@ -51,7 +52,7 @@ from dflash.train.mask import visible_pairs
 from dflash.train.metrics import read_metrics
 from dflash.train.model import DrafterConfig, flops_per_step
 
-from bench.shapes import QWEN3_8B, TINY
+from bench.shapes import QWEN3_8B, SMALL, TINY
 from tests.common.synth import llm_like_layers
 
 
@@ -239,6 +240,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny target and cache (CPU smoke run)")
     p.add_argument("--quick", action="store_true", help="shorter phases and a smaller cache")
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="the small drafter (hidden 384, 3 layers, vocab 4096) on short rows: per-step overhead, not FLOPs",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--codecs", default="lossless,fp8")
     p.add_argument("--samples", type=int, default=None)
@@ -257,9 +263,10 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
-    target = TINY if args.tiny else QWEN3_8B
-    samples = args.samples or (48 if args.tiny else (160 if args.quick else 320))
-    min_len, max_len = (100, 200) if args.tiny else (1450, 3072)
+    target = TINY if args.tiny else (SMALL if args.small else QWEN3_8B)
+    samples = args.samples or (48 if args.tiny else 2000 if args.small else (160 if args.quick else 320))
+    # --small: rows like bench_quality's greedy continuations (~25 to a pack, every eligible anchor trained)
+    min_len, max_len = (100, 200) if args.tiny else (200, 450) if args.small else (1450, 3072)
     train_s = args.train_seconds or (3.0 if args.tiny else (30.0 if args.quick else 60.0))
     loader_s = args.loader_seconds or (1.0 if args.tiny else (5.0 if args.quick else 10.0))
     budget = args.token_budget or (512 if args.tiny else 8192)
@@ -267,7 +274,7 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_train_"))
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "target": "tiny" if args.tiny else "Qwen3-8B",
+        "target": "tiny" if args.tiny else "small" if args.small else "Qwen3-8B",
         "codecs": {},
     }
     try:
@@ -303,6 +310,8 @@ def main() -> None:
             )
             if args.tiny:
                 overrides.update(num_draft_layers=2, num_anchors=32)
+            elif args.small:
+                overrides.update(num_draft_layers=3)
             cfg = paper_recipe(str(cache), str(work / f"run_{codec}"), **overrides)
             drafter = DrafterConfig.from_target_config(
                 target,

@@ -6,12 +6,14 @@ Stages, each feeding the next through a bounded queue, all stopped by one event:
     decode pool      `loader_threads` threads: pread + checksum + decompress only the needed layers
     build pool       anchors, blocks and packing on the CPU (`make_packed_batch`), then pinning (CUDA)
     copy thread      (CUDA only) host-to-device copy on a side stream, an event per batch
+    consumer         `iterate()`: yields (LoadedBatch, state_dict) in plan order
+The planner, pool and copy threads run torch on themselves alone (`shards/threads.py`); the consumer, the
+training thread, keeps its count.
 
 An fp8 or q4/q6 cache is read undecoded on CUDA (`dequantize=False`): batches carry fp8 bits or int8 codes
 plus their scales, about half the bytes of bf16 to pin and copy, and the copy thread decodes them on the
 GPU. The CPU's share is then decompression alone; its fp8-to-bf16 conversion capped the loader at ~31k
 tokens/s on 16 cores.
-    consumer         `iterate()`: yields (LoadedBatch, state_dict) in plan order
 
 The plan, the anchors (a generator seeded from (seed, epoch, batch)) and the corrupt-sample skips are
 functions of the data only, so `state_dict()` after a batch is all a resume needs to continue exactly.
@@ -240,6 +242,7 @@ class StreamingLoader:
 
         def planner() -> None:
             try:
+                one_torch_thread()
                 epoch, start = self._state["epoch"], self._state["next_index"]
                 for e in range(epoch, self.spec.epochs):
                     for job in self._plan(e, start if e == epoch else 0):

@@ -14,8 +14,9 @@ codec table they print, so users choose a codec knowingly.
 fp8 (2026-12-01, H200, `bench_quality.py --size full --steps 500 --codecs lossless,fp8 --fractions 1`): per
 seed -0.21%, +0.09%, -0.11% (walk 1.373/1.370, 1.507/1.508, 1.342/1.340; BENCHMARKS.md).
 q4 (2026-12-01, this CPU box, `bench_quality.py --size cpu --device cpu --codecs lossless,q4 --fractions 1
---variants "a64=--lr 1e-3"`, 1500 steps): walk 1.776 against lossless's 1.746, one seed: +1.7%, within what
-seeds move (0.17 on the H200 size). q6 is not measured yet.
+--variants "a64=--lr 1e-3" --seeds 2`, 1500 steps): walk 1.776 / 1.913 against lossless's 1.746 / 1.850, per
+seed +1.7% / +3.4%: the q4 drafter is not worse (its quantization noise may act as feature noise). q6 is not
+measured yet.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ CODEC_COSTS: dict[str, CodecCost] = {
         ratio=4.25,
         scale_bytes=0,
         rel_error=0.10,
-        tau_delta=0.017,
-        tau_seeds=1,
+        tau_delta=0.026,
+        tau_spread=0.017,
+        tau_seeds=2,
         tau_bench="1.3M-parameter target, CPU",
     ),
 }

@@ -158,7 +158,7 @@ def test_dry_run_table(setup, capsys):
     q6 = next(line for line in text.splitlines() if line.startswith("q6 "))
     assert "not measured" in q6 and "%" in q6
     q4 = next(line for line in text.splitlines() if line.startswith("q4 "))
-    assert "1 seed," in q4 and "not measured" not in q4
+    assert "2 seeds," in q4 and "not measured" not in q4
     fp8 = next(line for line in text.splitlines() if line.startswith("fp8 "))
     assert "3 seeds" in fp8 and "not measured" not in fp8  # measured on the quality benchmark
 

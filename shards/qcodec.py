@@ -196,8 +196,6 @@ def quantize_q(
         r1 = min(n, r0 + step)
         y = buf[: r1 - r0]
         y[:, :h].copy_(x[r0:r1]).mul_(inv if seg is None else inv[seg[r0:r1]])
-        if h < groups * GROUP:  # the last step's division left NaN there in a non-finite token's row
-            y[:, h:].zero_()
         yg = y.view(r1 - r0, groups, GROUP)
         # max(amax, -amin): no |y| temporary; NaN propagates
         gmax = torch.maximum(yg.amax(dim=2), yg.amin(dim=2).neg_())
@@ -208,7 +206,8 @@ def quantize_q(
         rho = torch.nan_to_num(gmax / safe[:, None], nan=1.0).clamp_(0.0, 1.0)
         u = _ratio_codes(rho, ratio)
         yg.div_((ratio[u] * scale[:, None])[:, :, None]).round_().clamp_(-levels, levels)
-        codes[r0:r1] = torch.nan_to_num_(y[:, :h], nan=0.0)
+        # The whole buffer, padding columns included: a non-finite token's NaN scale must not reach the next step.
+        codes[r0:r1] = torch.nan_to_num_(y, nan=0.0)[:, :h]
         group_codes[r0:r1] = u
         token_scales[r0:r1] = scale
     return codes, group_codes, token_scales, channel

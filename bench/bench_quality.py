@@ -393,19 +393,21 @@ class Scorer:
 
         with self._lock:
             start = time.perf_counter()
+            drafter = load_drafter(run.dir / "final")
             if not self.baselines:
-                self._open(run)
-            run.result.update(self._score(load_drafter(run.dir / "final")))
+                self._open(drafter.config)
+            run.result.update(self._score(drafter))
             self.seconds += time.perf_counter() - start
 
     def close(self) -> None:
         self._stack.close()
 
-    def _spec(self, drafter: Any) -> Any:
+    def _spec(self, c: Any) -> Any:
+        """The evaluation spec for drafters of config `c`."""
         from dflash.train.config import default_gamma
         from dflash.train.data_spec import DataSpec
 
-        c, recipe = drafter.config, self.size.drafter
+        recipe = self.size.drafter
         return DataSpec(layer_ids=c.target_layer_ids, block_size=c.block_size, mask_token_id=c.mask_token_id,
                         num_anchors=recipe.num_anchors, gamma=default_gamma(c.block_size),
                         token_budget=recipe.token_budget, max_length=recipe.token_budget,
@@ -417,25 +419,24 @@ class Scorer:
 
         dev = torch.device(self.device)
         result = evaluate(drafter.to(device=dev, dtype=torch.float32), self.frozen, self.cache, self.eval_set,
-                          self._spec(drafter), device=dev)  # fmt: skip
+                          self._spec(drafter.config), device=dev)  # fmt: skip
         return {k: result[k] for k in self.KEEP if k in result}
 
-    def _open(self, first: Run) -> None:
+    def _open(self, config: Any) -> None:
+        """Cache, frozen target, evaluation rows and the baselines, for drafters of `config`'s shape."""
         import torch
         from dflash.shards import Cache
         from dflash.train.evaluate import build_eval_set
-        from dflash.train.export import load_drafter
         from dflash.train.frozen import load_frozen_target
         from dflash.train.lookup import lookup_accepted
         from dflash.train.model import DFlashDrafter
 
         self.cache = cache = self._stack.enter_context(Cache.open(self.work / f"cache-{self.codec}"))
         self.frozen = load_frozen_target(cache.path).to(device=torch.device(self.device), dtype=torch.float32)
-        drafter = load_drafter(first.dir / "final")
-        self.eval_set = build_eval_set(cache, self._spec(drafter))  # the rows do not depend on the drafter
+        self.eval_set = build_eval_set(cache, self._spec(config))  # the rows do not depend on the drafter
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            untrained = self._score(DFlashDrafter(drafter.config))
+            untrained = self._score(DFlashDrafter(config))
         # Prompt lookup over every anchor of the same rows; its decode walk comes with every evaluation.
         sampled = []
         for batch in self.eval_set.batches:

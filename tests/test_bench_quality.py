@@ -37,6 +37,9 @@ def test_ci_size_runs_every_phase_and_reports_on_heldout_rows(tmp_path: Path, ca
     for run in report["runs"]:
         assert 1.0 <= run["tau"] <= b and 1.0 <= run["tau_walk"] <= b
         assert run["eval_samples"] == size.data.eval_rows
+        # The recipe's loss decay reaches dflash-train (the paper's gamma is 4 for B = 8).
+        trained = json.loads((work / "runs" / run["run"] / "config.json").read_text())
+        assert trained["gamma"] == size.drafter.gamma == 2.0
     # One run draws the tau-vs-steps curve (the first codec's, all rows, first seed); the rest evaluate once.
     (curve,) = report["curves"]
     assert curve["run"] == "base-lossless-f1-s0" and [p["step"] for p in curve["points"]] == [6, 12]

@@ -147,8 +147,8 @@ SIZES: dict[str, Size] = {
         data=DataSpec(
             train_rows=3000, eval_rows=100, prompt_min=64, prompt_max=128, new_tokens=96, gen_batch=256
         ),
-        # lr 1e-3 walked 2.01 against 3e-3's 1.82 at 1500 steps; the loss decay gamma 1 walked 2.18 against 2.05
-        # for gamma 2 and 1.75 for the paper's 4 (one seed each, BENCHMARKS.md).
+        # lr 1e-3 walked 2.01 against 3e-3's 1.82 at 1500 steps (one seed); the loss decay gamma 1 walked 2.16
+        # against 2.04 for gamma 2 and 1.80 for the paper's 4 (two seeds each, BENCHMARKS.md).
         drafter=DrafterRecipe(
             layers=2, block_size=8, num_anchors=64, token_budget=1024, steps=1500, lr=1e-3, gamma=1.0
         ),
@@ -189,7 +189,7 @@ SIZES: dict[str, Size] = {
             eval_points=4,
             target_layer_ids="0,1,2,3,4,5,6,7",
             # The paper's gamma (7 for B = 16) spends most of the loss on slots this budget's drafter rarely
-            # reaches. On the `cpu` size gamma 1 / 2 walked +25% / +17% over the paper's at 1500 steps. Its
+            # reaches. On the `cpu` size gamma 1 / 2 walked +20% / +13% over the paper's at 1500 steps. Its
             # drafter accepts less per slot than this one (tau 2.3 against 4.8), so a larger gamma than the
             # `cpu` size's best is taken here; the paper's gamma walked 3.32 at 3000 steps (BENCHMARKS.md).
             gamma=2.0,

@@ -421,7 +421,8 @@ class Scorer:
         self._stack.close()
 
     def _spec(self, c: Any) -> Any:
-        """The evaluation spec for drafters of config `c`."""
+        """The evaluation spec for drafters of config `c`. Its gamma is the paper's whatever a run trained with:
+        tau does not depend on it, and `eval_loss` then weighs the slots alike for every recipe variant."""
         from dflash.train.config import default_gamma
         from dflash.train.data_spec import DataSpec
 

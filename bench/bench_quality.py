@@ -521,13 +521,18 @@ def print_table(report: dict[str, Any]) -> None:
             continue
         print(f"{row['drafter']:<34} {row['seeds']:>5} {row['tau']:>9.3f} ±{row['tau_spread']:<5.3f} "
               f"{row['tau_walk']:>9.3f} ±{row['tau_walk_spread']:<5.3f} {row['vs_lookup']:>11.2f} "
-              f"{row.get('vs_lossless', float('nan')):>+11.1%} {row['train_s']:>8.0f}")  # fmt: skip
+              f"{_signed_pct(row.get('vs_lossless')):>11} {row['train_s']:>8.0f}")  # fmt: skip
     for curve in report["curves"]:
         points = ", ".join(
             f"{p['step']}: {p['tau']:.2f}/{p.get('tau_walk', float('nan')):.2f}" for p in curve["points"]
         )
         print(f"tau/tau_walk vs steps ({curve['run']}): {points}")
     print("phases (s): " + ", ".join(f"{k} {v:.0f}" for k, v in report["seconds"].items()))
+
+
+def _signed_pct(x: float | None) -> str:
+    """'+1.2%', or '-' where there is no lossless run to compare with."""
+    return "-" if x is None else f"{x:+.1%}"
 
 
 def parse_variants(text: str) -> dict[str, tuple[str, ...]]:

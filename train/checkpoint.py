@@ -35,6 +35,8 @@ from dflash.shards.safe_io import read_json as safe_read_json
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .config import TrainConfig
+
 CHECKPOINT_DIR = "checkpoints"
 BEST_DIR = "best"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -290,10 +292,12 @@ def check_resume(saved: dict[str, Any], cfg_flat: dict[str, Any], manifest: Mani
     """Refuse a resume that would change the trajectory: other settings, or another cache (provenance,
     or any shard added, removed or rewritten since the checkpoint), naming what differs."""
     now = cfg_flat
+    # A setting added since the checkpoint was written trained it at its default.
+    then = {**TrainConfig(cache="cache", out="run").to_flat(), **saved["config"]}
     changed = [
-        f"{k}: {saved['config'].get(k)!r} (checkpoint) != {now[k]!r}"
+        f"{k}: {then.get(k)!r} (checkpoint) != {now[k]!r}"
         for k in sorted(now)
-        if k not in RESUMABLE_KEYS and saved["config"].get(k) != now[k]
+        if k not in RESUMABLE_KEYS and then.get(k) != now[k]
     ]
     if changed:
         raise ValueError(

@@ -21,6 +21,7 @@ from .config import (
     ATTENTION_CHOICES,
     DEVICE_CHOICES,
     ON_CORRUPT_CHOICES,
+    SLOT_WEIGHT_CHOICES,
     config_from_flat,
     load_config_file,
     tiny_debug,
@@ -86,7 +87,16 @@ def _train_parser() -> argparse.ArgumentParser:
     )
     model.add_argument("--block-size", type=int)
     model.add_argument("--num-anchors", type=int, help="anchors sampled per sequence")
-    model.add_argument("--gamma", type=float, help="loss decay over block positions (default by block size)")
+    model.add_argument(
+        "--gamma",
+        type=float,
+        help="loss decay over block positions (default by block size; with --slot-weights reach, the floor: 1)",
+    )
+    model.add_argument(
+        "--slot-weights",
+        choices=SLOT_WEIGHT_CHOICES,
+        help="decay: exp(-(k-1)/gamma) (the paper); reach: follow the drafter's acceptance (slot_weights.py)",
+    )
     model.add_argument("--mask-token-id", type=int, help="default: the first unused embedding row")
     opt = p.add_argument_group("optimizer")
     opt.add_argument("--lr", type=float)

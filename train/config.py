@@ -21,6 +21,8 @@ from dflash.shards.safe_io import load_json
 ON_CORRUPT_CHOICES = ("skip", "fail")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 ATTENTION_CHOICES = ("auto", "dense", "flex")  # see mask.choose_backend
+SLOT_WEIGHT_CHOICES = ("decay", "reach")  # see slot_weights.py
+REACH_FLOOR_GAMMA = 1.0  # `reach`'s floor decay when --gamma is not given (the CPU size's best fixed gamma)
 
 
 def default_gamma(block_size: int) -> float:
@@ -73,6 +75,7 @@ class DraftSpec:
     block_size: int = 16
     num_anchors: int = 512
     gamma: float | None = None
+    slot_weights: str = "decay"
     mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
@@ -86,10 +89,17 @@ class DraftSpec:
             self.target_layer_ids = check_layer_ids(self.target_layer_ids)
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"gamma={self.gamma}: must be > 0")
+        if self.slot_weights not in SLOT_WEIGHT_CHOICES:
+            raise ValueError(
+                f"slot_weights={self.slot_weights!r}: choose one of {', '.join(SLOT_WEIGHT_CHOICES)}"
+            )
 
     @property
     def loss_gamma(self) -> float:
-        return self.gamma if self.gamma is not None else default_gamma(self.block_size)
+        """The decay the loader weighs slots with: the loss's own (`decay`), or `reach`'s floor."""
+        if self.gamma is not None:
+            return self.gamma
+        return REACH_FLOOR_GAMMA if self.slot_weights == "reach" else default_gamma(self.block_size)
 
 
 @dataclass(kw_only=True, slots=True)

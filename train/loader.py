@@ -69,6 +69,7 @@ class LoadedBatch:
     index: int  # global batch index within the epoch
     skipped: int  # corrupt samples dropped from this batch
     weight_sum: float = 0.0  # sum of loss weights (0 for a filler), known before the forward
+    slot_sums: tuple[float, ...] = ()  # the same per block slot (slot_weights.ReachWeights rescales slots)
     ready: torch.cuda.Event | None = None  # set on CUDA by the copy thread
 
     def wait(self) -> PackedBatch:
@@ -202,9 +203,17 @@ class StreamingLoader:
         # On CUDA the copy thread dequantizes fp8 batches on the GPU; elsewhere it happens here.
         batch = batch.pin_memory() if self.device.type == "cuda" else batch.dequantized()
         rows = [s.row for s in samples] if loss_scale else []
-        weight_sum = float(batch.weights.sum()) * loss_scale
+        slot_sums = tuple(float(w) * loss_scale for w in batch.weights.sum(0).tolist())
         return LoadedBatch(
-            batch, rows, batch.num_context_tokens, loss_scale, job.epoch, job.index, skipped, weight_sum
+            batch,
+            rows,
+            batch.num_context_tokens,
+            loss_scale,
+            job.epoch,
+            job.index,
+            skipped,
+            weight_sum=float(batch.weights.sum()) * loss_scale,
+            slot_sums=slot_sums,
         )
 
     def _filler(self) -> Sample:

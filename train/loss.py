@@ -10,8 +10,9 @@ Public API (stable):
         Per chunk the CE terms (`chunk_terms`) run eagerly in place (peak ~ chunk x V x 6 bytes) or, with
         `compile_backend`, compiled into two fused passes over the bf16 logits.
     drafter_loss(model, frozen, batch, *, chunk_rows=None, attn_mask=None, normalizer=None,
-                 feature_noise_std=0.0, generator=None) -> (loss, LossStats)
-        the loss epilogue is compiled when the model's regions are (`compiled.speed_up`).
+                 slot_scale=None, feature_noise_std=0.0, generator=None) -> (loss, LossStats)
+        the loss epilogue is compiled when the model's regions are (`compiled.speed_up`); `slot_scale` [B]
+        multiplies the batch's weights slot by slot (`slot_weights.ReachWeights`).
     LossStats: per-slot accuracy counts and acceptance tallies as device tensors (no host sync);
         `.merge(other)`, `.tensors()` for all-reduce, `.summary() -> dict[str, float]`.
 """
@@ -205,6 +206,7 @@ def drafter_loss(
     chunk_rows: int | None = None,
     attn_mask: AttentionMask | None = None,
     normalizer: torch.Tensor | float | None = None,
+    slot_scale: torch.Tensor | None = None,
     feature_noise_std: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
@@ -218,7 +220,8 @@ def drafter_loss(
     # Slot 0 always has weight 0 (the anchor is given): never spend lm_head FLOPs on it.
     drafted = hidden[:, 1:].reshape(n * (b - 1), h)
     labels = batch.labels[:, 1:].reshape(-1)
-    weights = batch.weights[:, 1:].reshape(-1)
+    weights = batch.weights[:, 1:] if slot_scale is None else batch.weights[:, 1:] * slot_scale[1:]
+    weights = weights.reshape(-1)
     weight_sum = weights.float().sum()
     loss, preds = linear_cross_entropy(
         drafted,

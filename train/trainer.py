@@ -50,6 +50,7 @@ from .parallelize import (
     shutdown,
     wrap_model,
 )
+from .slot_weights import ReachWeights
 
 log = logging.getLogger(__name__)
 EXPORT_DIR = "export"
@@ -118,6 +119,11 @@ class Trainer:
         self.total_steps = estimate_total_steps(cache.manifest, cfg, info.world_size)
         self.eval_set: EvalSet | None = None
         self.guard = FiniteGuard(cache, spec.layer_ids)  # a NaN/inf loss or gradient stops the run
+        self.reach = (
+            ReachWeights(drafter_cfg.block_size, cfg.drafter.loss_gamma, device)
+            if cfg.drafter.slot_weights == "reach"
+            else None
+        )
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> Trainer:
@@ -188,13 +194,15 @@ class Trainer:
         )
         self.loader.load_state_dict(loader_state)
         self.step, self.total_steps, self.best_tau = meta["step"], meta["total_steps"], meta.get("best_tau")
+        if self.reach is not None:
+            self.reach.load_state_dict(meta["slot_weights"], is_main=self.info.is_main)
         return True
 
     def train_step(self, micro: Sequence[LoadedBatch]) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches; the loss is normalised by the loss-weight sum
         over the micro-batches of every rank, so accumulation and world size do not change the gradient."""
-        cfg, info = self.cfg, self.info
-        local_weight = sum(m.weight_sum for m in micro)
+        cfg, info, reach = self.cfg, self.info, self.reach
+        local_weight = sum(m.weight_sum if reach is None else reach.weight_sum(m.slot_sums) for m in micro)
         global_weight = all_reduce_sum([local_weight], info)[0]
         normalizer = max(global_weight, 1e-12) / info.world_size  # DDP averages gradients over ranks
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
@@ -203,11 +211,18 @@ class Trainer:
             with no_sync_unless(self.ddp_model, i == len(micro) - 1), self.autocast:
                 attn_mask = build_attention_mask(batch, cfg.attention)
                 loss, stats = drafter_loss(
-                    self.ddp_model, self.frozen, batch, attn_mask=attn_mask, normalizer=normalizer
+                    self.ddp_model,
+                    self.frozen,
+                    batch,
+                    attn_mask=attn_mask,
+                    normalizer=normalizer,
+                    slot_scale=None if reach is None else reach.scale,
                 )
                 (loss * loaded.loss_scale).backward()
             if loaded.loss_scale:
                 loss_sum += stats.loss_sum.double()
+                if reach is not None:
+                    reach.add(stats.accept_at_least)
         grad_norm = (
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
             if cfg.optim.grad_clip > 0
@@ -308,6 +323,8 @@ class Trainer:
                             self._reduce_sum, self.info.world_size, loader_state["skipped_samples"]
                         ),
                     }
+                    if self.reach is not None:  # the next steps weigh slots by this window's acceptance
+                        record["slot_weights"] = [round(w, 4) for w in self.reach.update(self._reduce_sum)]
                 # --- evaluate (rank 0; the others wait at the barrier)
                 if do_eval:
                     record = {**record, **self._evaluate_and_keep_best(loader_state)}
@@ -368,10 +385,12 @@ class Trainer:
     def _save_step(self, loader_state: dict[str, Any]) -> Path | None:
         """RUN/checkpoints/step_N (every rank calls it: the skip count is summed over ranks first)."""
         skipped = all_reduce_sum([float(loader_state["skipped_samples"])], self.info)[0]
+        extra = {} if self.reach is None else {"slot_weights": self.reach.state_dict(self._reduce_sum)}
         saved = None
         if self.info.is_main:
             state = {**loader_state, "skipped_samples": int(skipped)}
-            saved = self.save(self.run_dir / ckpt.CHECKPOINT_DIR / ckpt.step_dir_name(self.step), state)
+            path = self.run_dir / ckpt.CHECKPOINT_DIR / ckpt.step_dir_name(self.step)
+            saved = self.save(path, state, extra)
             ckpt.prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
         barrier(self.info)
         return saved

@@ -421,6 +421,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     trainer = Trainer.build(cfg)
     try:
         trainer.resume()
-        return trainer.fit()
+        result = trainer.fit()
+        # Every rank done before any closes its connections: gloo aborts a peer whose pair closes under it
+        # ("terminate called without an active exception", seen on a loaded CPU box).
+        barrier(trainer.info)
+        return result
     finally:
         trainer.close()

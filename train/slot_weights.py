@@ -17,7 +17,8 @@ them learning:
 
 The loader builds each batch's weights with the floor; the trainer multiplies slot k by
 `scale_k = w_k / floor_k` (`ReachWeights`), updated at each log step from the acceptance tallied on the
-training batches since the last one, summed over ranks, so every rank weighs alike.
+training batches since the last one, summed over ranks, so every rank weighs alike. The logged training loss
+is weighed the same way, so it moves with the weights; `eval_loss` keeps the floor's decay.
 
 Public API:
     reach_weights(accept_at_least, floor) -> list[float]    w over slots 0..B-1 from P(A >= k) tallies

@@ -3,6 +3,7 @@ and the training-side decode on a device.
 
     python bench/bench_codecs.py [--quick] [--json out.json]
     python bench/bench_codecs.py --device cuda [--device-only]   # + the GPU decode of packed fp8/q6/q4 batches
+                                                                 # and the extractor's GPU quantization
 
 GB/s count raw bf16 bytes (S*H*2) on both sides, per CPU-second of the calling thread (so a busy
 machine does not distort them); the scaling columns are wall-clock ratios 1 thread / N threads. `fp8` and
@@ -15,8 +16,15 @@ what the training loader's CPU threads do for these codecs (zstd only; the GPU d
 The device section packs 8 sequences x 2048 tokens x 5 layers x 4096 (a training batch of the 8B shape)
 as the loader does and times `PackedBatch.dequantized()` on --device (plain torch ops: the GPU decode in
 the loader's copy thread), against the training consumption rate (~0.65 GB/s of bf16 per GPU,
-DESIGN.md; target >= 3x). Targets (issues 2, 14): lossless >= 1.38x, encode >= 0.5, decode >= 1.0
-GB/s/core; fp8 >= 2.2x with relative error <= 3%; q4 <= 10 KB/token for 5 x 4096 (ratio >= 4.1).
+DESIGN.md; target >= 3x).
+
+The quantize section times the extractor's side on --device: `codec.quantize_batch(packed, lengths)` on
+one forward batch ([5, 16384, 4096] bf16, rows of ~600 tokens), ms per batch and GB/s of bf16 in; for fp8
+also the code before issue 14 (`fp8:before`) beside the current one, and whether their q and scale bytes
+are equal.
+
+Targets (issues 2, 14): lossless >= 1.38x, encode >= 0.5, decode >= 1.0 GB/s/core; fp8 >= 2.2x with
+relative error <= 3%; q4 <= 10 KB/token for 5 x 4096 (ratio >= 4.1).
 """
 
 from __future__ import annotations
@@ -177,6 +185,84 @@ def device_decode(args: argparse.Namespace) -> list[dict]:
     return results
 
 
+def _quantize_fp8_before(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8 as it was before issue 14 (a float32 copy, then div, clamp, fp8 and uint8 copies per
+    64 MiB chunk): the baseline and the bytes every other implementation must reproduce."""
+    s, h = x.shape
+    q = torch.empty((s, h), dtype=torch.uint8, device=x.device)
+    amax = torch.maximum(x.amax(dim=1).float(), -x.amin(dim=1).float())
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    rows = max(1, (1 << 24 if x.is_cuda else 1 << 18) // h)
+    for r0 in range(0, s, rows):
+        part = torch.div(x[r0 : r0 + rows].float(), scale[r0 : r0 + rows, None]).clamp_(-448.0, 448.0)
+        q[r0 : r0 + rows] = part.to(torch.float8_e4m3fn).view(torch.uint8)
+    return q, scale
+
+
+def _time_on(device: torch.device, fn: Callable[[], object], repeat: int) -> float:
+    """Best seconds of `fn` on `device` (CUDA events there, so only the device's time counts)."""
+    best = float("inf")
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def device_quantize(args: argparse.Namespace) -> list[dict]:
+    """The extractor's GPU stage after the forward: `quantize_batch` of one packed batch on args.device."""
+    device = torch.device(args.device)
+    k, tokens, hidden = (5, 2048, 512) if args.quick else (5, 16384, 4096)
+    # 4096 distinct tokens per layer, tiled: quantization is per token, and generating all 16384 on a CPU
+    # would take longer than the whole GPU section
+    base = min(tokens, 4096)
+    layers = llm_like_layers(base, hidden, k, seed=args.seed)
+    packed = torch.stack([x.repeat(tokens // base, 1) for x in layers]).to(device)
+    lengths = [600] * (tokens // 600) + ([tokens % 600] if tokens % 600 else [])
+    rows = packed.reshape(-1, hidden)
+    gb = packed.numel() * 2 / 1e9
+    repeat = args.repeat + 2
+    before_q, before_scale = _quantize_fp8_before(rows)
+
+    def row(name: str, fn: Callable[[], tuple[torch.Tensor, ...]], check: bool) -> dict:
+        out = {"codec": name, "device": str(device), "shape": list(packed.shape)}
+        t0 = time.perf_counter()
+        try:
+            parts = fn()  # warm-up
+        except Exception as exc:  # a failure is a line of this table, not a crash
+            return {**out, "error": f"{type(exc).__name__}: {exc}"[:200]}
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out["first_s"] = time.perf_counter() - t0
+        if check:
+            q, scale = parts[0].reshape(before_q.shape), parts[1].reshape(before_scale.shape)
+            out["differing_bytes"] = int((q != before_q).sum()) + 4 * int(
+                (scale.view(torch.int32) != before_scale.view(torch.int32)).sum()
+            )
+            out["identical"] = out["differing_bytes"] == 0
+        del parts
+        sec = _time_on(device, fn, repeat)
+        return {**out, "ms": sec * 1e3, "gbs": gb / sec}
+
+    def batch(name: str) -> Callable[[], tuple[torch.Tensor, ...]]:
+        codec = get_codec(name)
+        return lambda: codec.quantize_batch(packed, lengths)
+
+    results = [
+        row("fp8", batch("fp8"), True),  # what the extractor runs
+        row("fp8:before", lambda: _quantize_fp8_before(rows), True),
+    ]
+    return results + [row(name, batch(name), False) for name in ("q6", "q4")]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per layer frame")
@@ -186,9 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="thread count for the scaling column (1: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
-    p.add_argument("--device", default="cpu", help="where to time the training-side decode (e.g. cuda)")
     p.add_argument(
-        "--device-only", action="store_true", help="only the training-side decode (skip the CPU table)"
+        "--device",
+        default="cpu",
+        help="where to time the training-side decode and the extractor's quantize (e.g. cuda)",
+    )
+    p.add_argument(
+        "--device-only",
+        action="store_true",
+        help="only the device sections: training-side decode, extractor-side quantize (skip the CPU table)",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
@@ -211,10 +303,30 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {r['codec']:<6}{r['decode_gbs']:>10.2f} GB/s = {r['x_training']:.1f}x one GPU's training rate"
         )
+    t0 = time.perf_counter()
+    quantize = device_quantize(args)
+    print(
+        f"extractor-side quantize_batch on {args.device} of one {quantize[0]['shape']} bf16 batch"
+        f" (section: {time.perf_counter() - t0:.0f} s):"
+    )
+    print(f"  {'codec':<14}{'ms/batch':>10}{'GB/s in':>10}{'first s':>9}  bytes = fp8:before")
+    for r in quantize:
+        if "error" in r:
+            print(f"  {r['codec']:<14}  failed: {r['error']}")
+            continue
+        same = {True: "yes", False: f"NO: {r.get('differing_bytes')} bytes differ"}.get(
+            r.get("identical"), ""
+        )
+        print(f"  {r['codec']:<14}{r['ms']:>10.2f}{r['gbs']:>10.1f}{r['first_s']:>9.2f}  {same}")
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "device": on_device},
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "results": results,
+                    "device": on_device,
+                    "quantize": quantize,
+                },
                 indent=1,
             )
         )

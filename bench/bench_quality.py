@@ -202,7 +202,15 @@ SIZES: dict[str, Size] = {
         parallel_runs=8,
     ),
 }
-SIZES["full"] = replace(SIZES["quick"], seeds=3, fractions=(0.25, 0.5, 1.0), codecs=("lossless", "fp8", "q4"))
+# 4500 steps (~6.9 epochs): on a 4500-step schedule the quick size's drafter walked 1.52x prompt lookup at
+# step 3375, where 3000 steps end at 1.44x (one seed each, BENCHMARKS.md); several calls of one H200.
+SIZES["full"] = replace(
+    SIZES["quick"],
+    seeds=3,
+    fractions=(0.25, 0.5, 1.0),
+    codecs=("lossless", "fp8", "q4"),
+    drafter=replace(SIZES["quick"].drafter, steps=4500),
+)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -26,7 +26,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-_SCAN_CHUNK = 1 << 18  # bytes per step of the NaN/inf scan (verify)
+_SCAN_CHUNK = 1 << 18  # elements per step of the CPU NaN/inf scans (verify, training's checks)
 
 # Activation byte planes are mostly literals (entropy-coded sign/exponent bytes) with few long matches:
 # a small hash table and 7-byte minimum matches skip futile match search. Measured on LLM-like bf16
@@ -118,23 +118,39 @@ def _zstd_prefix(buf: bytes | memoryview, keep: int, what: str) -> bytearray:
     return out
 
 
+_EXPONENT_BITS = {  # float dtype -> (same-width int dtypes in torch and numpy, exponent all ones: NaN/inf)
+    torch.bfloat16: (torch.int16, np.uint16, 0x7F80),
+    torch.float16: (torch.int16, np.uint16, 0x7C00),
+    torch.float32: (torch.int32, np.uint32, 0x7F800000),
+    torch.float64: (torch.int64, np.uint64, 0x7FF0000000000000),
+}
+_DEVICE_SCAN_CHUNK = 1 << 26  # elements per isfinite call on a GPU (a 64 MiB bool temporary)
+
+
 def count_nonfinite(x: torch.Tensor) -> int:
-    """Number of NaN/inf elements of a float tensor (exponent bits all ones; no float temporaries)."""
-    name = dtype_name(x.dtype)
-    t = x.detach().cpu().contiguous()
-    if name == "float32":
-        bits, mask = t.view(torch.int32).numpy().view(np.uint32), np.uint32(0x7F800000)
-    else:
-        bits = t.view(torch.int16).numpy().view(np.uint16)
-        mask = np.uint16(0x7F80 if name == "bfloat16" else 0x7C00)
-    return int(np.count_nonzero(np.bitwise_and(bits, mask) == mask))
+    """Number of NaN/inf elements of a float tensor, counted where it lives (no copy): on a device, `isfinite`
+    in chunks summed there and one host sync (milliseconds for Qwen3-8B's [151936, 4096] embedding); on the
+    CPU, the exponent bits in cache-sized steps, no float temporaries (~0.25 s for that table on one core)."""
+    if x.dtype not in _EXPONENT_BITS:
+        raise ValueError(f"unsupported dtype {x.dtype} (expected bfloat16, float16, float32 or float64)")
+    flat = x.detach().contiguous().view(-1)
+    if flat.device.type != "cpu":
+        bad = torch.zeros((), dtype=torch.int64, device=flat.device)
+        for c0 in range(0, flat.numel(), _DEVICE_SCAN_CHUNK):
+            part = flat[c0 : c0 + _DEVICE_SCAN_CHUNK]
+            bad += part.numel() - torch.isfinite(part).sum()
+        return int(bad)
+    as_int, as_uint, mask = _EXPONENT_BITS[flat.dtype]
+    return count_masked(flat.view(as_int).numpy().view(as_uint), mask)
 
 
 def count_masked(data: np.ndarray, mask: int, next_plane: np.ndarray | None = None) -> int:
-    """How many bytes i have data[i] & mask == mask (and next_plane[i] >= 0x80 when given), in cache-sized
-    steps through two small scratch buffers: full-size temporaries cost more than the arithmetic."""
+    """How many elements i of an unsigned integer array have data[i] & mask == mask (and next_plane[i] >= 0x80
+    when given), in cache-sized steps through two small scratch buffers: full-size temporaries cost more
+    than the arithmetic."""
     step = max(1, min(data.size, _SCAN_CHUNK))
-    masked, hit = np.empty(step, dtype=np.uint8), np.empty(step, dtype=np.bool_)
+    masked, hit = np.empty(step, dtype=data.dtype), np.empty(step, dtype=np.bool_)
+    mask = data.dtype.type(mask)
     total = 0
     for c0 in range(0, data.size, step):
         part = data[c0 : c0 + step]

@@ -138,7 +138,7 @@ def test_quantize_fp8_matches_the_spec_formula_across_chunks(monkeypatch: pytest
     import dflash.shards.fp8 as fp8
 
     x = llm_like_layers(300, 70, 3, seed=8)[2]
-    monkeypatch.setattr(fp8, "_QUANT_CHUNK", 1000)  # 14 rows per step
+    monkeypatch.setattr(fp8, "_QUANT_CHUNK_CPU", 1000)  # 14 rows per step (the CPU path's chunks)
     got = quantize_fp8(x)
     x32 = x.float().clone()
     before = x32.clone()

@@ -31,7 +31,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _setup(layers=3, seed=0):
+def _setup(layers=3, seed=0, lengths=(30, 12)):
     torch.manual_seed(seed)
     cfg = DrafterConfig.from_target_config(
         TARGET, mask_token_id=63, num_hidden_layers=layers, block_size=4, target_layer_ids=[1, 4]
@@ -42,7 +42,7 @@ def _setup(layers=3, seed=0):
         SequenceInput(
             torch.randint(0, 60, (s,), generator=gen), torch.ones(s, dtype=torch.bool), torch.randn(s, 64)
         )
-        for s in (30, 12)
+        for s in lengths
     ]
     batch = make_packed_batch(
         seqs, block_size=4, mask_token_id=63, num_anchors=5, generator=gen, pad_blocks_to_multiple=4
@@ -76,6 +76,21 @@ def test_compiled_regions_match_eager_and_share_one_graph_across_layers(fresh_dy
     assert all(r.failure is None for r in (model.regions.attention_inputs, model.regions.fuse_features))
     # The same model state_dict keys as an uncompiled drafter: checkpoints and export do not change.
     assert set(model.state_dict()) == set(_setup()[0].state_dict())
+
+
+def test_packs_of_other_shapes_reuse_the_first_steps_graphs(fresh_dynamo) -> None:
+    """Token axes are dynamic from the first call: a pack with other numbers of blocks and context tokens
+    compiles nothing new (without the marks, Dynamo compiles every region a second time at step 2)."""
+    model, frozen, batch = _setup(layers=2)
+    speed_up(model, "on", backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    _step(model, frozen, batch)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for seed in (1, 2):
+        other = _setup(layers=2, seed=seed, lengths=(41, 17, 9) if seed == 1 else (50,))[2]
+        assert other.num_blocks != batch.num_blocks and other.num_context_tokens != batch.num_context_tokens
+        _step(model, frozen, other)
+    assert graphs > 0 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_evaluation_without_grad_stays_eager() -> None:

@@ -177,6 +177,21 @@ def _int_weights(cache: Path) -> tuple[str, ...]:
     return ()
 
 
+def _nonfinite_embed(cache: Path) -> tuple[str, ...]:
+    frozen = load_file(_frozen_path(cache))
+    embed = frozen["embed_tokens.weight"]
+    embed[3, :2], embed[40, 5], embed[95, -2:] = float("nan"), float("-inf"), float("inf")
+    save_file(frozen, _frozen_path(cache))
+    return ()
+
+
+def _nonfinite_lm_head(cache: Path) -> tuple[str, ...]:
+    frozen = load_file(_frozen_path(cache))
+    frozen["lm_head.weight"][7, 11] = float("nan")
+    save_file(frozen, _frozen_path(cache))
+    return ()
+
+
 def _config_without_layers(cache: Path) -> tuple[str, ...]:
     config = json.loads((cache / "target" / "config.json").read_text())
     del config["num_hidden_layers"]
@@ -195,6 +210,8 @@ def _config_without_layers(cache: Path) -> tuple[str, ...]:
         (_manifest_vocab_past_frozen, "96 embedding rows, fewer than the target's vocab_size 200"),
         (_int_weights, "embed_tokens.weight is I32, not a float of 16 bits or more"),
         (_config_without_layers, "config.json lacks integer num_hidden_layers"),
+        (_nonfinite_embed, "target/frozen.safetensors: embed_tokens holds 5 NaN/inf values"),
+        (_nonfinite_lm_head, "target/frozen.safetensors: lm_head holds 1 NaN/inf values"),
     ],
 )
 def test_untrustworthy_cache_refused_before_step_one(cache: Path, capsys, damage, message: str) -> None:
@@ -202,6 +219,7 @@ def test_untrustworthy_cache_refused_before_step_one(cache: Path, capsys, damage
     argv = tiny_train_argv(cache, cache.parent / "run", "--max-steps", "2", *QUIET, *extra)
     assert message in _refused(capsys, argv)
     assert not (cache.parent / "run" / "checkpoints").exists()
+    assert not (cache.parent / "run" / "metrics.jsonl").exists()  # refused before the first step
 
 
 # --- item 8: an empty cache ----------------------------------------------------------------------------------------

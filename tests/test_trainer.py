@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from dflash.train.export import load_drafter
 from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask
 from dflash.train.metrics import read_metrics
+from dflash.train.startup import PHASES
 from dflash.train.trainer import Trainer, train
 
 from tests.common.fake_cache import write_fake_cache
@@ -73,6 +75,29 @@ def test_run_logs_evaluates_checkpoints_and_exports(cache_dir: Path, tmp_path: P
     # Resuming with a setting that changes the trajectory names it.
     with pytest.raises(ValueError, match=r"lr: 0\.001 \(checkpoint\) != 0\.002"):
         train(tiny_debug(str(cache_dir), str(run), lr=2e-3, resume=True, max_steps=9, keep_checkpoints=1))
+
+
+def test_startup_breakdown_once_per_launch(cache_dir: Path, tmp_path: Path, caplog) -> None:
+    """Each launch's set-up, phase by phase to the end of its first step: one INFO line, and a `startup`
+    entry in the launch's first metrics record (other keys and records as before)."""
+    run = tmp_path / "run"
+    quiet = dict(eval_every=0, save_every=2, log_every=2, tensorboard=False, plots=False)
+    with caplog.at_level(logging.INFO, logger="dflash.train"):
+        train(tiny_debug(str(cache_dir), str(run), max_steps=4, **quiet))
+        train(tiny_debug(str(cache_dir), str(run), max_steps=6, resume=True, **quiet))
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [2, 4, 6]
+    assert [("startup" in r) for r in records] == [True, False, True]  # the resumed launch's first record
+    for startup in (records[0]["startup"], records[2]["startup"]):
+        assert list(startup) == [*(f"{p}_s" for p in PHASES), "total_s"]
+        assert all(isinstance(v, float) and v >= 0 for v in startup.values())
+        assert sum(v for k, v in startup.items() if k != "total_s") <= startup["total_s"]
+        assert startup["first_step_s"] > 0 and startup["drafter_s"] > 0
+    assert records[0]["startup"]["resume_s"] == 0 < records[2]["startup"]["resume_s"]
+    lines = [r.getMessage() for r in caplog.records if "start-up" in r.getMessage()]
+    assert len(lines) == 2 and all(r.levelno == logging.INFO for r in caplog.records if "start-up" in r.msg)
+    assert lines[0].startswith("start-up ") and " s to the end of the first step: " in lines[0], lines[0]
+    assert "first_step " in lines[0] and lines[0].rsplit(", ", 1)[1].startswith("other ")
 
 
 def test_resume_against_another_cache_is_refused(cache_dir: Path, tmp_path: Path) -> None:

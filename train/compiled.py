@@ -8,11 +8,12 @@ Attention is left out on purpose: it keeps `mask.py`'s kernel choice and dense f
 Public API:
     speed_up(model, mode="auto", *, backend="inductor") -> bool        mode: "auto"/True, "on", "off"/False
         installs compiled `Regions` on a `DFlashDrafter` in place (parameter names, state_dict and DDP are
-        unaffected); "auto" compiles on CUDA only. One compiled function serves all layers; shapes that
-        change between batches recompile once into a dynamic-shape graph (torch's automatic dynamic).
+        unaffected); "auto" compiles on CUDA only. One compiled function serves all layers, and each
+        compiles once: its inputs' token axes are marked dynamic before the first call (`mark_token_axes`).
     regions_backend(model) -> str | None       the backend a (possibly DDP-wrapped) drafter was compiled with
     CompiledOrEager(fn, name, backend)         calls torch.compile(fn); on its first failure logs one warning
                                                and runs `fn` eagerly for the rest of the process
+    mark_token_axes(args)                      marks the token axis of every tensor argument dynamic
     compile_backward_now()                     context: lower the backward graph while the forward compiles
     loss_epilogue(backend) -> CompiledOrEager  the compiled per-chunk cross-entropy terms (see `loss.py`)
     COMPILE_CHOICES = ("auto", "on", "off")
@@ -46,6 +47,25 @@ def compile_backward_now() -> contextlib.AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
+# The token axis of the compiled functions' tensors by rank: [T], [T, H], [T, heads, D] on axis 0, the
+# attention layout [1, heads, T, D] on axis 2. Every other size is the model's and stays static.
+_TOKEN_AXIS = {4: 2}
+
+
+def mark_token_axes(args: tuple[Any, ...]) -> None:
+    """Mark each tensor argument's token count dynamic (a tuple's tensors too) before Dynamo sees it.
+
+    Packs differ in their numbers of blocks and context tokens, so left to itself Dynamo compiles the
+    first step for its exact shapes and, at the second, compiles everything again with those axes
+    dynamic (automatic dynamic): a second full compile cold, a second round of cache loads warm. Marked
+    up front, the first compile is the graph the run keeps. `maybe_`: a size Dynamo must specialize (0 or
+    1) still may be."""
+    for arg in args:
+        for t in arg if isinstance(arg, tuple) else (arg,):
+            if isinstance(t, torch.Tensor) and t.ndim:
+                torch._dynamo.maybe_mark_dynamic(t, _TOKEN_AXIS.get(t.ndim, 0))
+
+
 class CompiledOrEager:
     """`fn` through torch.compile, falling back to `fn` itself (same math) if compiling or running fails."""
 
@@ -59,6 +79,7 @@ class CompiledOrEager:
     def __call__(self, *args: Any) -> Any:
         if self.failure is None:
             try:
+                mark_token_axes(args)
                 with compile_backward_now():
                     return self.compiled(*args)
             except Exception as exc:  # Dynamo, Inductor and Triton raise many classes, often wrapped

@@ -2,7 +2,9 @@
 
 Before step 1 (`check_trainable`): a cache that no longer names its target's config hash (that would
 silently disable the cache-matches-target check), an empty cache, and frozen weights that are not a
-finite float [V, H] table covering the cache's vocabulary.
+float [V, H] table covering the cache's vocabulary; then (`check_frozen_finite`, once the weights are on
+the training device, in their stored dtype) NaN/inf in them: on a GPU a reduction per tensor and one
+host sync, milliseconds for Qwen3-8B's 2 x [151936, 4096] where a numpy scan took seconds before the copy.
 
 During the run (`FiniteGuard`): each optimizer step leaves one device flag (loss or gradient norm not
 finite), read back only when the trainer syncs anyway (log, evaluation and checkpoint steps), so the
@@ -53,6 +55,11 @@ def check_trainable(cache: Cache, frozen: FrozenTarget) -> None:
             f"{cache.path}/target/frozen.safetensors: {frozen.vocab_size} embedding rows, fewer than the "
             f"target's vocab_size {vocab} the cache's token ids are checked against"
         )
+
+
+def check_frozen_finite(cache: Cache, frozen: FrozenTarget) -> None:
+    """Refuse NaN/inf in the frozen embed or lm_head (a tied target's one matrix counted once), counted where
+    the weights are: call it after the copy to the device and before any cast, so counts are the file's."""
     weights = [("embed_tokens", frozen.embed_weight)]
     if not frozen.tied:  # a tied target's lm_head IS its embedding (stored once)
         weights.append(("lm_head", frozen.lm_head_weight))

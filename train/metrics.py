@@ -1,7 +1,8 @@
 """What the user sees: a progress bar, `RUN/metrics.jsonl`, TensorBoard events and PNG plots.
 
 Only rank 0 writes. One JSON object per logged or evaluated step; on `--resume` the records past the
-checkpoint are dropped (they belong to the interrupted trajectory) and TensorBoard purges them too.
+checkpoint are dropped (they belong to the interrupted trajectory) and TensorBoard purges them too. The
+first record of each launch also holds `startup`: its set-up seconds by phase (`startup.py`).
 """
 
 from __future__ import annotations

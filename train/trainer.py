@@ -3,38 +3,37 @@
 Everything that decides the trajectory (weights, optimizer, schedule position, data position, anchors,
 global RNGs) is in the checkpoint, so on the CPU a resumed run reproduces the uninterrupted losses bit
 for bit. Checks, in the order they run: the cache's target parts and layers before the model is built
-(`build`, `guards.check_trainable`), the checkpoint's settings and cache identity (`resume`), each
+(`build`: `run_parts.open_run`), the checkpoint's settings and cache identity (`resume`), each
 shard's identity when first opened (`Cache.shard`), a NaN/inf loss or gradient (`guards.FiniteGuard`,
-read before anything is saved).
+read before anything is saved). The frozen weights' NaN/inf count runs once they are on the device
+(`guards.check_frozen_finite`), before they are cast to the compute dtype there.
+
+Each launch times its set-up to the end of its first step (`startup.StartupClock`): one INFO line then,
+and a `startup` entry in the launch's first metrics.jsonl record.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from dflash.shards import Cache
 from dflash.shards.atomic import atomic_write_json
-from dflash.shards.layers import resolve_layer_ids
-from dflash.shards.outdir import claim_out_dir
 
 from . import checkpoint as ckpt
-from .cache_checks import check_cache
 from .compiled import speed_up
 from .config import TrainConfig, estimate_total_steps, lr_at
-from .data_spec import DataSpec, read_eval_rows
+from .data_spec import DataSpec
 from .evaluate import EvalSet, build_eval_set, evaluate
 from .export import export_drafter
-from .frozen import FrozenTarget, load_frozen_target
-from .guards import FiniteGuard, check_trainable
+from .frozen import FrozenTarget
+from .guards import FiniteGuard
 from .loader import LoadedBatch, StreamingLoader
 from .loss import drafter_loss
 from .mask import build_attention_mask
@@ -44,13 +43,14 @@ from .parallelize import (
     DistInfo,
     all_reduce_sum,
     barrier,
-    init_distributed,
     mixed_precision,
     no_sync_unless,
     shutdown,
     wrap_model,
 )
+from .run_parts import open_run
 from .slot_weights import ReachWeights
+from .startup import StartupClock, describe
 
 log = logging.getLogger(__name__)
 EXPORT_DIR = "export"
@@ -76,12 +76,6 @@ class StepResult:
     lr: float
 
 
-def _seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
 class Trainer:
     """One run's parts; `build` makes them, `fit` trains. `train_step` works on its own (tests call it)."""
 
@@ -93,10 +87,14 @@ class Trainer:
         frozen: FrozenTarget,
         drafter_cfg: DrafterConfig,
         spec: DataSpec,
+        startup: StartupClock | None = None,
     ) -> None:
         self.cfg, self.info, self.cache, self.frozen = cfg, info, cache, frozen
         self.drafter_cfg, self.spec = drafter_cfg, spec
         self.run_dir = Path(cfg.out)
+        self.startup = startup or StartupClock()  # this launch's set-up, timed to the end of its first step
+        self.startup_record: dict[str, float] | None = None  # `startup.finish()`, after the first step
+        started = time.perf_counter()
         device = info.device
         # Initialised where it trains (seconds, not minutes, for a 1B-parameter drafter on a GPU); fp32
         # master weights, bf16 compute via autocast on CUDA.
@@ -124,51 +122,18 @@ class Trainer:
             if cfg.drafter.slot_weights == "reach"
             else None
         )
+        self.startup.add("drafter", time.perf_counter() - started)
 
     @classmethod
     def build(cls, cfg: TrainConfig) -> Trainer:
-        """Process group, run directory and seeds; then the cache, its frozen target parts and the drafter,
-        each checked against the others before any step runs."""
-        info = init_distributed(cfg.device)
-        if cfg.attention == "flex" and info.device.type != "cuda":
-            raise ValueError(
-                f"--attention flex needs a CUDA device: FlexAttention has no backward on {info.device.type}; "
-                "use --attention auto (the default) or dense"
-            )
-        run_dir = Path(cfg.out)
-        if info.is_main:
-            claim_out_dir(run_dir, "run")  # the --out rule, before anything is cleaned up or written
-            for action in ckpt.clean_interrupted_saves(run_dir):
-                log.warning("interrupted checkpoint write: %s", action)
-        barrier(info)
-        if not cfg.resume and ckpt.list_checkpoints(run_dir):
-            raise ValueError(
-                f"{run_dir} already holds checkpoints: pass --resume to continue, or choose a new --out"
-            )
-        _seed_everything(cfg.seed)
-        cache = Cache.open(cfg.cache)
+        """The run's parts (`setup.open_run`: process group, run directory, seeds, the cache and its frozen
+        target, checked against each other), then the drafter, before any step runs."""
+        clock = StartupClock()
+        run = open_run(cfg, clock)
         try:
-            frozen = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
-            layer_ids = resolve_layer_ids(
-                frozen.num_layers,
-                cfg.drafter.num_draft_layers,
-                cfg.drafter.target_layer_ids,
-                cached=cache.layers,
-            )
-            drafter_cfg = DrafterConfig.from_target_config(
-                frozen.config,
-                mask_token_id=frozen.mask_token_id,
-                num_hidden_layers=cfg.drafter.num_draft_layers,
-                block_size=cfg.drafter.block_size,
-                target_layer_ids=layer_ids,
-            )
-            check_cache(cache, frozen, drafter_cfg)
-            check_trainable(cache, frozen)
-            spec = DataSpec.for_run(cfg, drafter_cfg, read_eval_rows(cfg.data.eval_rows))
-            compute = torch.bfloat16 if info.device.type == "cuda" else torch.float32
-            return cls(cfg, info, cache, frozen.to(device=info.device, dtype=compute), drafter_cfg, spec)
+            return cls(cfg, run.info, run.cache, run.frozen, run.drafter_cfg, run.spec, clock)
         except BaseException:
-            cache.close()
+            run.cache.close()
             raise
 
     @property
@@ -287,10 +252,12 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Stream, step, log, evaluate, checkpoint until the data or the step budget ends."""
         cfg = self.cfg
-        logger = self._open_logger()
+        with self.startup.phase("logger"):
+            logger = self._open_logger()
         batches = self.loader.iterate()
         loader_state = self.loader.state_dict()
         window, record, last_saved, started = LogWindow(), {}, None, time.perf_counter()
+        startup: dict[str, float] | None = None  # this launch's set-up, until its first record holds it
         try:
             lookahead, wait = _timed_next(batches)  # one batch ahead, so the last step is known when it runs
             while lookahead is not None and self.step < self.max_steps:
@@ -302,7 +269,10 @@ class Trainer:
                     lookahead, waited = _timed_next(batches)
                     wait += waited
                 # --- step
+                step_started = time.perf_counter()
                 step = self.train_step(micro)
+                if self.startup_record is None:  # this launch's first step
+                    startup = self._finish_startup(logger, wait, step_started)
                 window.add(step.loss_sum, step.weight_sum, step.tokens, wait)
                 wait = 0.0
                 last = self.step >= self.max_steps or lookahead is None
@@ -329,6 +299,8 @@ class Trainer:
                 if do_eval:
                     record = {**record, **self._evaluate_and_keep_best(loader_state)}
                 if record.get("step") == self.step and (cfg.log_every or do_eval):
+                    if startup is not None:
+                        record, startup = {**record, "startup": startup}, None
                     logger.log(record)
                     if do_eval:
                         logger.refresh_plots()
@@ -367,6 +339,17 @@ class Trainer:
                 f"{'resuming at step ' + str(self.step) if self.step else 'from scratch'}"
             )
         return logger
+
+    def _finish_startup(self, logger: MetricsLogger, wait: float, step_started: float) -> dict[str, float]:
+        """The set-up record, once per launch, after its first step (synced once on CUDA, so the step's
+        kernels are in it); its line goes to the log now."""
+        if self.info.device.type == "cuda":
+            torch.cuda.synchronize(self.info.device)
+        self.startup.add("first_batch", wait)
+        self.startup.add("first_step", time.perf_counter() - step_started)
+        self.startup_record = self.startup.finish()
+        logger.write(describe(self.startup_record))
+        return self.startup_record
 
     def _evaluate_and_keep_best(self, loader_state: dict[str, Any]) -> dict[str, Any]:
         """Evaluate on rank 0; a new best tau writes RUN/best and RUN/export."""
@@ -420,7 +403,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     """Build, resume (with `--resume`), train, close: the whole of `dflash-train`."""
     trainer = Trainer.build(cfg)
     try:
-        trainer.resume()
+        with trainer.startup.phase("resume"):
+            trainer.resume()
         result = trainer.fit()
         # Every rank done before any closes its connections: gloo aborts a peer whose pair closes under it
         # ("terminate called without an active exception", seen on a loaded CPU box).

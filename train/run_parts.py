@@ -1,0 +1,113 @@
+"""Everything a run needs before its drafter exists, checked against each other (`Trainer.build`'s first half).
+
+    open_run(cfg, clock) -> RunParts(info, cache, frozen, drafter_cfg, spec)
+        process group and device; the --out rule, interrupted saves cleaned, seeds; the cache; its frozen
+        target parts and the layers and drafter shape they imply, checked against the cache
+        (`cache_checks.check_cache`, `guards.check_trainable`); the frozen weights copied to the device as
+        stored, NaN/inf-counted there (`guards.check_frozen_finite`), then cast there to the compute dtype.
+Each piece is timed into the launch's `StartupClock` (`startup.py`). On failure the cache is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from dflash.shards import Cache
+from dflash.shards.layers import resolve_layer_ids
+from dflash.shards.outdir import claim_out_dir
+
+from . import checkpoint as ckpt
+from .cache_checks import check_cache
+from .config import TrainConfig
+from .data_spec import DataSpec, read_eval_rows
+from .frozen import FrozenTarget, load_frozen_target
+from .guards import check_frozen_finite, check_trainable
+from .model import DrafterConfig
+from .parallelize import DistInfo, barrier, init_distributed
+from .startup import StartupClock
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunParts:
+    info: DistInfo
+    cache: Cache
+    frozen: FrozenTarget  # on info.device, in the compute dtype
+    drafter_cfg: DrafterConfig
+    spec: DataSpec
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def open_run(cfg: TrainConfig, clock: StartupClock) -> RunParts:
+    """The run's parts, each checked against the others; see the module docstring."""
+    with clock.phase("process_group"):
+        info = init_distributed(cfg.device)
+    if cfg.attention == "flex" and info.device.type != "cuda":
+        raise ValueError(
+            f"--attention flex needs a CUDA device: FlexAttention has no backward on {info.device.type}; "
+            "use --attention auto (the default) or dense"
+        )
+    run_dir = Path(cfg.out)
+    with clock.phase("run_dir"):
+        if info.is_main:
+            claim_out_dir(run_dir, "run")  # the --out rule, before anything is cleaned up or written
+            for action in ckpt.clean_interrupted_saves(run_dir):
+                log.warning("interrupted checkpoint write: %s", action)
+        barrier(info)
+        if not cfg.resume and ckpt.list_checkpoints(run_dir):
+            raise ValueError(
+                f"{run_dir} already holds checkpoints: pass --resume to continue, or choose a new --out"
+            )
+        seed_everything(cfg.seed)
+    with clock.phase("cache_open"):
+        cache = Cache.open(cfg.cache)
+    try:
+        with clock.phase("frozen_read"):  # headers and config: the weights stay mmap'd, unread
+            frozen = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
+            layer_ids = resolve_layer_ids(
+                frozen.num_layers,
+                cfg.drafter.num_draft_layers,
+                cfg.drafter.target_layer_ids,
+                cached=cache.layers,
+            )
+            drafter_cfg = DrafterConfig.from_target_config(
+                frozen.config,
+                mask_token_id=frozen.mask_token_id,
+                num_hidden_layers=cfg.drafter.num_draft_layers,
+                block_size=cfg.drafter.block_size,
+                target_layer_ids=layer_ids,
+            )
+            check_cache(cache, frozen, drafter_cfg)
+            check_trainable(cache, frozen)
+            spec = DataSpec.for_run(cfg, drafter_cfg, read_eval_rows(cfg.data.eval_rows))
+        frozen = _frozen_on_device(frozen, cache, info.device, clock)
+        return RunParts(info, cache, frozen, drafter_cfg, spec)
+    except BaseException:
+        cache.close()
+        raise
+
+
+def _frozen_on_device(
+    frozen: FrozenTarget, cache: Cache, device: torch.device, clock: StartupClock
+) -> FrozenTarget:
+    """The frozen weights copied to `device` as stored, NaN/inf-counted there (a GPU counts 2 x [151936, 4096]
+    in milliseconds; the counts are the file's), then cast there to the compute dtype (bf16 on CUDA, fp32 on
+    the CPU): one blocking `.to(device, dtype)` would cast on the host first. A bf16 file trained in bf16
+    (what extraction writes) is copied once, straight from the mmap'd file, and never cast."""
+    with clock.phase("frozen_to_device"):
+        frozen = frozen.to(device=device)
+    with clock.phase("frozen_check"):
+        check_frozen_finite(cache, frozen)
+    with clock.phase("frozen_to_device"):
+        return frozen.to(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -41,6 +41,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from common.fp8_reference import reference_quantize_fp8
 from common.synth import llm_like_layers, relative_error
 from dflash.shards.codecs import Codec, LosslessCodec, get_codec, quantize_fp8
 from dflash.shards.qcodec import QBlock, quantize_q
@@ -185,20 +186,6 @@ def device_decode(args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def _quantize_fp8_before(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_fp8 as it was before issue 14 (a float32 copy, then div, clamp, fp8 and uint8 copies per
-    64 MiB chunk): the baseline and the bytes every other implementation must reproduce."""
-    s, h = x.shape
-    q = torch.empty((s, h), dtype=torch.uint8, device=x.device)
-    amax = torch.maximum(x.amax(dim=1).float(), -x.amin(dim=1).float())
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    rows = max(1, (1 << 24 if x.is_cuda else 1 << 18) // h)
-    for r0 in range(0, s, rows):
-        part = torch.div(x[r0 : r0 + rows].float(), scale[r0 : r0 + rows, None]).clamp_(-448.0, 448.0)
-        q[r0 : r0 + rows] = part.to(torch.float8_e4m3fn).view(torch.uint8)
-    return q, scale
-
-
 def _time_on(device: torch.device, fn: Callable[[], object], repeat: int) -> float:
     """Best seconds of `fn` on `device` (CUDA events there, so only the device's time counts)."""
     best = float("inf")
@@ -230,7 +217,7 @@ def device_quantize(args: argparse.Namespace) -> list[dict]:
     rows = packed.reshape(-1, hidden)
     gb = packed.numel() * 2 / 1e9
     repeat = args.repeat + 2
-    before_q, before_scale = _quantize_fp8_before(rows)
+    before_q, before_scale = reference_quantize_fp8(rows)
 
     def row(name: str, fn: Callable[[], tuple[torch.Tensor, ...]], check: bool) -> dict:
         out = {"codec": name, "device": str(device), "shape": list(packed.shape)}
@@ -258,7 +245,7 @@ def device_quantize(args: argparse.Namespace) -> list[dict]:
 
     results = [
         row("fp8", batch("fp8"), True),  # what the extractor runs
-        row("fp8:before", lambda: _quantize_fp8_before(rows), True),
+        row("fp8:before", lambda: reference_quantize_fp8(rows), True),
     ]
     return results + [row(name, batch(name), False) for name in ("q6", "q4")]
 

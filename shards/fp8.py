@@ -37,8 +37,8 @@ def quantize_fp8(x: torch.Tensor) -> Fp8Block:
     """Quantize [S, H] to e4m3fn with one fp32 scale per token (absmax / 448); runs on x's device.
 
     The spec, which both paths reproduce bit for bit, as the code before issue 14 did on the same device
-    (a torch.compile'd fused graph was tried on an H200: no faster, and Inductor's float32 division moved
-    some values across an e4m3 rounding boundary):
+    (a torch.compile'd fused graph was tried on an H200: no faster, and some bytes differed, likely from
+    Inductor's float32 division; not verified):
         amax = max |x| over the token (NaN if the token holds one); scale = amax / 448 if amax > 0 else 1
         q = e4m3fn(clamp(float32(x) / scale, -448, 448))
     An all-zero (or NaN-holding) token keeps scale 1, so dequantization never multiplies garbage by 0/0;

@@ -21,6 +21,7 @@ RUNS = {
     "writer": ["bench/bench_writer.py", "--gb", "0.02", "--unit-mb", "8", "--sample-mb", "2"],
     "convert": ["bench/bench_convert.py", "--tiny"],
     "codecs": ["bench/bench_codecs.py", "--quick"],
+    "compile": ["bench/bench_compile.py", "--backend", "aot_eager"],
     "verify": ["bench/bench_verify.py", "--tiny"],
     "extract": ["bench/bench_extract.py", "--tiny", "--device", "cpu"],
     "train_step": ["bench/bench_train_step.py", "--tiny", "--device", "cpu", "--sections", "step,small"],

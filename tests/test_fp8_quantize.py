@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from common.fp8_reference import reference_quantize_fp8
 from common.synth import llm_like_layers
 from dflash.shards import fp8
 from dflash.shards.codecs import get_codec, quantize_fp8
@@ -23,20 +24,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 KINDS = ["bits", "special", "llm", "zeros", "tiny"]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def reference_quantize_fp8(x: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_fp8 as first written (before issue 14), with its per-device chunk sizes 2^24 / 2^18."""
-    s, h = x.shape
-    q = torch.empty((s, h), dtype=torch.uint8, device=x.device)
-    amax = torch.maximum(x.amax(dim=1).float(), -x.amin(dim=1).float())
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    chunk = chunk or (1 << 24 if x.is_cuda else 1 << 18)
-    rows = max(1, chunk // h)
-    for r0 in range(0, s, rows):
-        part = torch.div(x[r0 : r0 + rows].float(), scale[r0 : r0 + rows, None]).clamp_(-448.0, 448.0)
-        q[r0 : r0 + rows] = part.to(torch.float8_e4m3fn).view(torch.uint8)
-    return q, scale
 
 
 SPECIALS = [

@@ -93,7 +93,6 @@ class Trainer:
         self.drafter_cfg, self.spec = drafter_cfg, spec
         self.run_dir = Path(cfg.out)
         self.startup = startup or StartupClock()  # this launch's set-up, timed to the end of its first step
-        self.startup_record: dict[str, float] | None = None  # `startup.finish()`, after the first step
         started = time.perf_counter()
         device = info.device
         # Initialised where it trains (seconds, not minutes, for a 1B-parameter drafter on a GPU); fp32
@@ -258,6 +257,7 @@ class Trainer:
         loader_state = self.loader.state_dict()
         window, record, last_saved, started = LogWindow(), {}, None, time.perf_counter()
         startup: dict[str, float] | None = None  # this launch's set-up, until its first record holds it
+        launch_start = self.step  # a resumed launch's first step is launch_start + 1
         try:
             lookahead, wait = _timed_next(batches)  # one batch ahead, so the last step is known when it runs
             while lookahead is not None and self.step < self.max_steps:
@@ -271,7 +271,7 @@ class Trainer:
                 # --- step
                 step_started = time.perf_counter()
                 step = self.train_step(micro)
-                if self.startup_record is None:  # this launch's first step
+                if self.step == launch_start + 1:  # this launch's first step
                     startup = self._finish_startup(logger, wait, step_started)
                 window.add(step.loss_sum, step.weight_sum, step.tokens, wait)
                 wait = 0.0
@@ -347,9 +347,9 @@ class Trainer:
             torch.cuda.synchronize(self.info.device)
         self.startup.add("first_batch", wait)
         self.startup.add("first_step", time.perf_counter() - step_started)
-        self.startup_record = self.startup.finish()
-        logger.write(describe(self.startup_record))
-        return self.startup_record
+        record = self.startup.finish()
+        logger.write(describe(record))
+        return record
 
     def _evaluate_and_keep_best(self, loader_state: dict[str, Any]) -> dict[str, Any]:
         """Evaluate on rank 0; a new best tau writes RUN/best and RUN/export."""

@@ -31,13 +31,16 @@ tokens). Each cache is deleted after its phase. With more disk, raise --rows for
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,7 +51,15 @@ from dflash.extract.pipeline import run_extraction
 from dflash.extract.target import CapturingTarget
 
 from bench.bench_writer import sequential_write
-from bench.extract_common import ARCHS, MAX_LEN_CLIP, build_target, stage_batches, timed_pass, write_rows
+from bench.extract_common import (
+    ARCHS,
+    MAX_LEN_CLIP,
+    batch_excess,
+    build_target,
+    stage_batches,
+    timed_pass,
+    write_rows,
+)
 
 
 def bare_forward(target: CapturingTarget, dataset: Path, vocab: int, max_len: int, token_budget: int) -> dict:
@@ -59,6 +70,18 @@ def bare_forward(target: CapturingTarget, dataset: Path, vocab: int, max_len: in
     timing = timed_pass(target, staged)
     tokens = int(sum(int(lengths.sum()) for _, _, lengths in staged))
     return {"tokens": tokens, **timing, "tokens_per_s": tokens / timing["seconds"], "batches": len(staged)}
+
+
+@contextlib.contextmanager
+def _profiled(on: bool, device: torch.device) -> Iterator[Any]:
+    if not on:
+        yield None
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield prof
 
 
 def _extract_config(
@@ -96,6 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="as dflash-extract")
     p.add_argument(
         "--workdir", type=Path, default=None, help="dataset, target stub and caches (default: a temp dir)"
+    )
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval in ms for the codec runs (default Python's 5): tests whether the launching "
+        "thread waits for the GIL behind the drain, encode and writer threads",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="torch.profiler over the last codec's run: its top kernels"
     )
     p.add_argument("--tiny", action="store_true", help="tiny shape (CPU smoke test of this script)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -150,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = write_rows(
         workdir / "warm.arrow", warm_rows, vocab, seed=1, max_clip=MAX_LEN_CLIP if not args.tiny else 200
     )
-    for codec in codecs:
+    for codec in dict.fromkeys(codecs):
         t = time.perf_counter()
         run_extraction(
             _extract_config(target_dir, warm, workdir / f"warm-{codec}", spec, codec, args, dtype),
@@ -173,19 +206,31 @@ def main(argv: list[str] | None = None) -> int:
         "disk": disk,
         "pipeline": {},
     }
-    for codec in codecs:
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval / 1e3)
+        results["switch_interval_ms"] = args.switch_interval
+    for i, codec in enumerate(codecs):
         out = workdir / f"cache-{codec}"
         shutil.rmtree(out, ignore_errors=True)
         cfg = _extract_config(target_dir, dataset, out, spec, codec, args, dtype)
-        r = run_extraction(cfg, target=target)
+        with _profiled(args.profile and i == len(codecs) - 1, device) as prof:
+            r = run_extraction(cfg, target=target)
+        if prof is not None:
+            sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            print(f"[profile] {codec}: top ops by self device time\n"
+                  + prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))  # fmt: skip
         d = r.to_dict()
+        d["batches_vs_bare"] = batch_excess(r.batch_times, bare_runs[0]["batch_ms"])
         d["raw_bf16_bytes_per_token"] = len(spec["layers"]) * spec["shape"]["hidden_size"] * 2
         d["compression_vs_bf16"] = (
             d["raw_bf16_bytes_per_token"] / r.bytes_per_token if r.bytes_per_token else 0.0
         )
         d["write_gb_per_s"] = r.bytes_written / r.extract_seconds / 1e9 if r.extract_seconds else 0.0
         d["write_vs_disk"] = d["write_gb_per_s"] / disk["gb_per_s"]
-        results["pipeline"][codec] = d
+        # a codec named twice (--codec fp8,lossless,fp8) is run twice: does the order matter?
+        results["pipeline"][
+            codec if codec not in codecs[:i] else f"{codec}#{codecs[:i].count(codec) + 1}"
+        ] = d
         shutil.rmtree(out, ignore_errors=True)
     bare_runs.append(measure_bare("after"))
     bare = max(bare_runs, key=lambda b: b["tokens_per_s"])
@@ -211,6 +256,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{d['write_gb_per_s']:>12.2f}{d['write_vs_disk']:>9.2f}"
             f"{w.get('busy_s', 0.0):>15.1f} / {w.get('wait_out_s', 0.0):.1f}"
         )
+    print(
+        "per batch against the bare forward (GPU ms more than bare: total / median / p90 / first three; "
+        "the main thread's ms per batch; GPU ms per batch, medians):"
+    )
+    for codec, d in results["pipeline"].items():
+        b = d["batches_vs_bare"]
+        if b:
+            print(f"  {codec:<10} excess {b['excess_ms_total']:,.0f} / {b['excess_ms_median']:.1f} / "
+                  f"{b['excess_ms_p90']:.1f} / {b['excess_ms_first3']} ms over {b['batches']} batches; "
+                  f"host {b['host_ms_median']:.1f} ms, GPU {b['gpu_ms_median']:.1f} ms")  # fmt: skip
     print(
         f"disk: {disk['gb_per_s']:.2f} GB/s sequential. targets: vs bare >= 0.90 and GPU wait <= 5%, "
         "or (disk-bound) write >= 0.90 of the disk"

@@ -149,5 +149,30 @@ def timed_pass(target: CapturingTarget, staged: list) -> dict:
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t
-    busy = sum(s.elapsed_time(e) for s, e in events) / 1e3 if cuda else wall
-    return {"seconds": wall, "gpu_busy_seconds": busy}
+    batch_ms = [s.elapsed_time(e) for s, e in events]
+    busy = sum(batch_ms) / 1e3 if cuda else wall
+    # GPU ms per batch keyed by its real tokens, to set the pipeline's batches beside (`batch_excess`)
+    by_tokens = {
+        int(lengths.sum()): ms for (_, _, lengths), ms in zip(staged, batch_ms, strict=False)
+    }  # no events on a CPU
+    return {"seconds": wall, "gpu_busy_seconds": busy, "batch_ms": by_tokens}
+
+
+def batch_excess(batch_times: list[tuple[int, float, float]], bare_ms: dict[int, float]) -> dict:
+    """How much longer each pipeline batch's GPU compute took than the same batch's bare forward, and how
+    long the main thread took to enqueue it: a systematic excess in every batch points at contention or a
+    starved launching thread, one in the first batches only at warm-up (allocations, pinned blocks)."""
+    pairs = [(ms - bare_ms[n], host) for n, ms, host in batch_times if n in bare_ms]
+    if not pairs:
+        return {}
+    excess = sorted(e for e, _ in pairs)
+    host = sorted(h for _, h in pairs)
+    return {
+        "batches": len(pairs),
+        "excess_ms_total": sum(excess),
+        "excess_ms_median": excess[len(excess) // 2],
+        "excess_ms_p90": excess[int(len(excess) * 0.9)],
+        "excess_ms_first3": [round(e, 2) for e, _ in pairs[:3]],
+        "host_ms_median": host[len(host) // 2],
+        "gpu_ms_median": sorted(ms for _, ms, _ in batch_times)[len(batch_times) // 2],
+    }

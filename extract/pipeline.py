@@ -194,8 +194,9 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
             t0 = time.perf_counter()
             with clock.timing("busy"):
                 item = step(item)
+            item.host_ms = (time.perf_counter() - t0) * 1e3
             if not cuda:
-                stats.gpu_compute_s += time.perf_counter() - t0
+                stats.gpu_compute_s += item.host_ms / 1e3
             with clock.timing("wait_out"):
                 q_out.put(item)
         q_out.put(None)
@@ -346,6 +347,7 @@ def run_extraction(
         gpu_wait_fraction=stats.gpu_wait_fraction,
         encode_cpu_s=stats.encode_cpu_s,
         stages={k: c.to_dict() for k, c in stats.clocks.items()},
+        batch_times=stats.batch_times,
     )
     if s.rank.rank == 0:
         print(json.dumps(result.to_dict()) if config.json else format_summary(result), flush=True)

@@ -31,6 +31,8 @@ class ExtractResult:
     gpu_wait_fraction: float = 0.0
     encode_cpu_s: float = 0.0
     stages: dict[str, dict[str, float]] = field(default_factory=dict)
+    # (tokens, GPU ms, host ms) per batch, for benchmarks; not in --json (a real run has thousands)
+    batch_times: list[tuple[int, float, float]] = field(default_factory=list, repr=False)
 
     @property
     def tokens_per_s(self) -> float:
@@ -46,6 +48,7 @@ class ExtractResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["batch_times"]
         d.update(
             tokens_per_s=self.tokens_per_s,
             bytes_per_token=self.bytes_per_token,

@@ -117,6 +117,7 @@ class WorkBatch:
     nonfinite: torch.Tensor | None = None  # host bool [K, N]: token n of layer k holds a NaN/inf
     ready: Any = None  # CUDA event after the D2H copy, None on CPU
     timing: tuple[Any, Any] | None = None  # CUDA events around the compute
+    host_ms: float = 0.0  # the main thread's time in GpuStep for this batch (launches, host copies)
 
     @property
     def tokens(self) -> int:
@@ -128,6 +129,9 @@ class StageStats:
     clocks: dict[str, StageClock] = field(default_factory=dict)
     gpu_compute_s: float = 0.0  # measured on the GPU with events (CUDA) or the host clock (CPU)
     gpu_span_s: float = 0.0  # first compute start to last compute end
+    # Per batch, in the order the drain saw them: (real tokens, GPU compute ms, main-thread ms to enqueue it).
+    # Benchmarks compare these with the bare forward batch by batch; a run's summary uses the totals.
+    batch_times: list[tuple[int, float, float]] = field(default_factory=list)
     encode_cpu_s: float = 0.0  # summed over pool threads
     rows: int = 0
     tokens: int = 0
@@ -271,6 +275,7 @@ def drain(
             if item.timing is not None:
                 start, end = item.timing
                 stats.gpu_compute_s += start.elapsed_time(end) / 1e3
+                stats.batch_times.append((item.tokens, start.elapsed_time(end), item.host_ms))
                 if first_start is None:
                     first_start = start
                 stats.gpu_span_s = span_before + first_start.elapsed_time(end) / 1e3

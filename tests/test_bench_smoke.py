@@ -23,7 +23,16 @@ RUNS = {
     "codecs": ["bench/bench_codecs.py", "--quick"],
     "compile": ["bench/bench_compile.py", "--backend", "aot_eager"],
     "verify": ["bench/bench_verify.py", "--tiny"],
-    "extract": ["bench/bench_extract.py", "--tiny", "--device", "cpu"],
+    # a codec named twice runs twice (the order check); --profile prints the last run's top ops
+    "extract": [
+        "bench/bench_extract.py",
+        "--tiny",
+        "--device",
+        "cpu",
+        "--codec",
+        "fp8,lossless,fp8",
+        "--profile",
+    ],
     "train_step": ["bench/bench_train_step.py", "--tiny", "--device", "cpu", "--sections", "step,small"],
     "train": ["bench/bench_train.py", "--tiny", "--device", "cpu", "--codecs", "fp8", "--threads-sweep", "1"],
     "scaling_imports": ["bench/bench_scaling.py", "--help"],
@@ -41,3 +50,34 @@ def test_benchmark_runs(name: str, tmp_path: Path) -> None:
     tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
     assert done.returncode == 0, f"{' '.join(RUNS[name])} failed:\n{tail}"
     assert "Traceback" not in done.stderr, tail
+
+
+def test_batch_excess_sets_each_batch_beside_its_bare_forward() -> None:
+    """Batches pair by their token counts, whatever order the pipeline ran them in; a spike in one batch shows
+    in the total and the p90, not in the median."""
+    from bench.extract_common import batch_excess
+
+    bare = {100: 10.0, 200: 20.0, 300: 30.0, 400: 40.0, 500: 50.0}
+    run = [
+        (500, 50.5, 60.0),
+        (100, 10.5, 12.0),
+        (300, 80.0, 31.0),
+        (200, 20.5, 25.0),
+        (400, 40.5, 41.0),
+        (7, 1.0, 1.0),
+    ]
+    got = batch_excess(run, bare)
+    assert got["batches"] == 5  # the batch of 7 tokens has no bare twin
+    assert got["excess_ms_total"] == pytest.approx(52.0)
+    assert got["excess_ms_median"] == pytest.approx(0.5)
+    assert got["excess_ms_p90"] == pytest.approx(50.0)
+    assert got["excess_ms_first3"] == [0.5, 0.5, 50.0]
+    assert got["host_ms_median"] == pytest.approx(31.0)
+    assert batch_excess([], bare) == {}
+
+
+def test_extract_result_keeps_batch_times_out_of_json() -> None:
+    from dflash.extract.result import ExtractResult
+
+    r = ExtractResult(cache="c", complete=True, batch_times=[(1, 2.0, 3.0)] * 5000)
+    assert "batch_times" not in r.to_dict() and len(r.batch_times) == 5000

@@ -9,6 +9,11 @@ soon as its cache is complete; --quick's two at 3000 steps, ~4.6 epochs) and ~45
     python bench/bench_quality.py --size ci --device cpu     # seconds: every phase, tiny (CI runs this)
     python bench/bench_quality.py --size cpu --device cpu    # the development box: a real but small signal
 
+Longer than one call of a rationed machine (`--size full`: six 4500-step runs side by side train ~15 min):
+start it detached (`setsid nohup python bench/bench_quality.py ... > W/bench.log 2>&1 &`) and read each run's
+`W/runs/*/metrics.jsonl` from later calls while the machine is still held; `--train-args "--eval-every 1500"` gives
+every run evaluations along the way, so a cut leaves numbers behind.
+
 Phases (each kept in --work and skipped when its output exists, so a cut-off run resumes where it stopped):
 1. target: a byte-level BPE and a small Qwen3 LM trained on Python sources (`quality_data`), saved in bf16
    with tied embeddings like released Qwen3-0.6B/1.7B/4B checkpoints;

@@ -151,10 +151,10 @@ def timed_pass(target: CapturingTarget, staged: list) -> dict:
     wall = time.perf_counter() - t
     batch_ms = [s.elapsed_time(e) for s, e in events]
     busy = sum(batch_ms) / 1e3 if cuda else wall
-    # GPU ms per batch keyed by its real tokens, to set the pipeline's batches beside (`batch_excess`)
-    by_tokens = {
-        int(lengths.sum()): ms for (_, _, lengths), ms in zip(staged, batch_ms, strict=False)
-    }  # no events on a CPU
+    # GPU ms per batch keyed by its real tokens, to set the pipeline's batches beside (`batch_excess`); a CPU
+    # records no events, so nothing to key
+    tokens = (int(lengths.sum()) for _, _, lengths in staged)
+    by_tokens = dict(zip(tokens, batch_ms, strict=False))
     return {"seconds": wall, "gpu_busy_seconds": busy, "batch_ms": by_tokens}
 
 

@@ -54,8 +54,10 @@ from bench.bench_writer import sequential_write
 from bench.extract_common import (
     ARCHS,
     MAX_LEN_CLIP,
+    allocator_counters,
     batch_excess,
     build_target,
+    counters_delta,
     stage_batches,
     timed_pass,
     write_rows,
@@ -213,14 +215,17 @@ def main(argv: list[str] | None = None) -> int:
         out = workdir / f"cache-{codec}"
         shutil.rmtree(out, ignore_errors=True)
         cfg = _extract_config(target_dir, dataset, out, spec, codec, args, dtype)
+        counters = allocator_counters(device)
         with _profiled(args.profile and i == len(codecs) - 1, device) as prof:
             r = run_extraction(cfg, target=target)
+        allocator = counters_delta(counters, allocator_counters(device))
         if prof is not None:
             sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
             print(f"[profile] {codec}: top ops by self device time\n"
                   + prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))  # fmt: skip
         d = r.to_dict()
         d["batches_vs_bare"] = batch_excess(r.batch_times, bare_runs[0]["batch_ms"])
+        d["allocator"] = allocator
         d["raw_bf16_bytes_per_token"] = len(spec["layers"]) * spec["shape"]["hidden_size"] * 2
         d["compression_vs_bf16"] = (
             d["raw_bf16_bytes_per_token"] / r.bytes_per_token if r.bytes_per_token else 0.0
@@ -266,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {codec:<10} excess {b['excess_ms_total']:,.0f} / {b['excess_ms_median']:.1f} / "
                   f"{b['excess_ms_p90']:.1f} / {b['excess_ms_first3']} ms over {b['batches']} batches; "
                   f"host {b['host_ms_median']:.1f} ms, GPU {b['gpu_ms_median']:.1f} ms")  # fmt: skip
+        if d["allocator"]:
+            print(f"  {'':<10} allocators during the run: " + ", ".join(
+                f"{k} {v:,.0f}" for k, v in d["allocator"].items()))  # fmt: skip
     print(
         f"disk: {disk['gb_per_s']:.2f} GB/s sequential. targets: vs bare >= 0.90 and GPU wait <= 5%, "
         "or (disk-bound) write >= 0.90 of the disk"

@@ -559,16 +559,18 @@ def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
     return variants or {"base": ()}
 
 
-def plan_runs(root: Path, size: Size, codecs: list[str], variants: dict[str, tuple[str, ...]]) -> list[Run]:
-    """Every variant x codec x seed on all training rows; the data-size curve for the first variant, codec and
-    seed. Each variant's first-seed, all-rows run of the first codec also evaluates along the way (tau vs
-    steps); the others evaluate at their end only."""
+def plan_runs(
+    root: Path, size: Size, codecs: list[str], variants: dict[str, tuple[str, ...]], first_seed: int = 0
+) -> list[Run]:
+    """Every variant x codec x seed (`size.seeds` of them from `first_seed`) on all training rows; the
+    data-size curve for the first variant, codec and seed. Each variant's first-seed, all-rows run of the
+    first codec also evaluates along the way (tau vs steps); the others evaluate at their end only."""
     runs = []
     for v, flags in variants.items():
-        for s in range(size.seeds):
+        for s in range(first_seed, first_seed + size.seeds):
             for c in codecs:
                 for f in size.fractions:
-                    if f != 1.0 and (s, c, v) != (0, codecs[0], next(iter(variants))):
+                    if f != 1.0 and (s, c, v) != (first_seed, codecs[0], next(iter(variants))):
                         continue
                     run = Run(
                         variant=v,
@@ -577,7 +579,7 @@ def plan_runs(root: Path, size: Size, codecs: list[str], variants: dict[str, tup
                         fraction=f,
                         seed=s,
                         dir=root,
-                        curve=f == 1.0 and s == 0 and c == codecs[0],
+                        curve=f == 1.0 and s == first_seed and c == codecs[0],
                     )
                     run.dir = root / run.name
                     runs.append(run)
@@ -627,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated caches to extract and train on (default: the size's)",
     )
     p.add_argument("--seeds", type=int, help="override the size's seed count")
+    p.add_argument(
+        "--first-seed", type=int, default=0, help="drafter seeds start here (add seeds to an earlier run's)"
+    )
     p.add_argument("--fractions", help="comma-separated fractions of the training rows (default: the size's)")
     p.add_argument(
         "--runs-dir", default="runs", help="subfolder of --work for the training runs (an experiment name)"
@@ -685,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_after == "extract":
         extractor.shutdown(wait=True)
         return 0 if all(f.exception() is None for f in caches.values()) else 1
-    runs = plan_runs(work / args.runs_dir, size, codecs, parse_variants(args.variants))
+    runs = plan_runs(work / args.runs_dir, size, codecs, parse_variants(args.variants), args.first_seed)
     write_heldout_files(work / args.runs_dir, meta, size.fractions)
     extra = args.train_args.split()
 

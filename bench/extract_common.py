@@ -176,3 +176,25 @@ def batch_excess(batch_times: list[tuple[int, float, float]], bare_ms: dict[int,
         "host_ms_median": host[len(host) // 2],
         "gpu_ms_median": sorted(ms for _, ms, _ in batch_times)[len(batch_times) // 2],
     }
+
+
+# The caching allocators' counters that can stall a pipeline batch: a new device segment (cudaMalloc), one
+# given back (cudaFree, which synchronizes the device), a retry after freeing cached blocks, and the pinned
+# host pool growing (cudaHostAlloc of a power-of-two block: ~0.1 s for 512 MiB) or shrinking.
+DEVICE_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+HOST_COUNTERS = ("num_host_alloc", "num_host_free", "host_alloc_time.total", "host_free_time.total")
+
+
+def allocator_counters(device: torch.device) -> dict[str, float]:
+    """A snapshot of `DEVICE_COUNTERS` and `HOST_COUNTERS` (times in microseconds); empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    snapshot = {k: float(v) for k, v in torch.cuda.memory_stats(device).items() if k in DEVICE_COUNTERS}
+    host = torch.cuda.host_memory_stats()
+    snapshot.update({f"host.{k}": float(v) for k, v in host.items() if k in HOST_COUNTERS})
+    return snapshot
+
+
+def counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What a run added to each counter (a counter missing from either snapshot is left out)."""
+    return {k: after[k] - before[k] for k in after if k in before}

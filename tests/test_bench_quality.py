@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,13 @@ def test_ci_size_runs_every_phase_and_reports_on_heldout_rows(tmp_path: Path, ca
     assert {
         p: p.stat().st_mtime_ns for p in (work / "runs" / "base-lossless-f1-s0" / "final").iterdir()
     } == before
+
+
+def test_first_seed_adds_seeds_to_an_earlier_experiment(tmp_path: Path) -> None:
+    # `--first-seed 2 --seeds 1` plans only seed 2's runs, so a later session extends seeds 0-1 in place;
+    # that seed then draws the curve and the data-size runs, as seed 0 does in a run of its own.
+    size = replace(bench_quality.SIZES["cpu"], seeds=1)
+    runs = bench_quality.plan_runs(tmp_path, size, ["lossless", "q4"], {"a": ()}, first_seed=2)
+    assert sorted(r.name for r in runs) == ["a-lossless-f0.25-s2", "a-lossless-f1-s2", "a-q4-f1-s2"]
+    assert [r.name for r in runs if r.curve] == ["a-lossless-f1-s2"]
+    assert all(r.dir == tmp_path / r.name for r in runs)

@@ -81,3 +81,16 @@ def test_extract_result_keeps_batch_times_out_of_json() -> None:
 
     r = ExtractResult(cache="c", complete=True, batch_times=[(1, 2.0, 3.0)] * 5000)
     assert "batch_times" not in r.to_dict() and len(r.batch_times) == 5000
+
+
+def test_allocator_counters_are_deltas_of_the_run() -> None:
+    """The extraction bench reports what each codec's run added to the allocators' counters (a cudaFree, a
+    pinned-pool growth inside a run is a suspect for that run's slow batches); off CUDA there are none."""
+    import torch
+
+    from bench.extract_common import allocator_counters, counters_delta
+
+    before = {"num_device_free": 3.0, "host.num_host_alloc": 10.0, "only_before": 1.0}
+    after = {"num_device_free": 5.0, "host.num_host_alloc": 10.0, "only_after": 2.0}
+    assert counters_delta(before, after) == {"num_device_free": 2.0, "host.num_host_alloc": 0.0}
+    assert allocator_counters(torch.device("cpu")) == {}

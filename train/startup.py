@@ -12,7 +12,9 @@ Phases, in the order they run (`PHASES`; one not reached reads 0):
     frozen_read       frozen target headers and config, layers, drafter config, cache checks (no weight data)
     frozen_to_device  embed/lm_head copied to the device in their stored dtype, then cast there
     frozen_check      their NaN/inf count where they are (on the CPU this reads the mmap'd file first)
-    drafter           drafter initialised on the device, compile wrappers, optimizer, DDP wrap, loader object
+    drafter           drafter initialised on the device
+    compile_setup     the compile wrappers installed (torch.compile imports Dynamo; compiling waits for step 1)
+    optimizer         AdamW, DDP wrap, loader object, NaN guard, slot weights
     resume            a checkpoint read back (`--resume`)
     logger            metrics.jsonl, TensorBoard writer, progress bar, config.json
     first_batch       loader threads started and the batches of step 1 (and the next one) delivered
@@ -36,6 +38,8 @@ PHASES = (
     "frozen_to_device",
     "frozen_check",
     "drafter",
+    "compile_setup",
+    "optimizer",
     "resume",
     "logger",
     "first_batch",

@@ -291,6 +291,12 @@ class DecoderLayer(nn.Module):
         parts = regions or EAGER_REGIONS
         q, k, v = parts.attention_inputs(self, x, context, rope_blocks, rope_context)
         attended = attn_mask.attend(q, k, v, scale=self.self_attn.head_dim**-0.5)
+        if parts.backend is not None and not x.requires_grad and torch.is_grad_enabled():
+            # The first layer's x (frozen embeddings) has no grad, so a compiled region would need a graph
+            # of its own for it. As a leaf that asks for one, x reaches the output/MLP region as every later
+            # layer's does and shares their graph: one compile fewer before step 1, and no extra work, since
+            # x's gradient there is the residual's, which the backward computes anyway.
+            x = x.detach().requires_grad_()
         return parts.attention_output_and_mlp(self, x, attended)
 
 

@@ -180,7 +180,8 @@ def batch_excess(batch_times: list[tuple[int, float, float]], bare_ms: dict[int,
 
 # The caching allocators' counters that can stall a pipeline batch: a new device segment (cudaMalloc), one
 # given back (cudaFree, which synchronizes the device), a retry after freeing cached blocks, and the pinned
-# host pool growing (cudaHostAlloc of a power-of-two block: ~0.1 s for 512 MiB) or shrinking.
+# host pool growing or shrinking (cudaHostAlloc of a power-of-two block pins at a few GB/s: of the order of
+# 0.1 s for 512 MiB).
 DEVICE_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 HOST_COUNTERS = ("num_host_alloc", "num_host_free", "host_alloc_time.total", "host_free_time.total")
 

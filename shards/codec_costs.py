@@ -23,6 +23,8 @@ q4 (2026-12-01, this CPU box, `bench_quality.py --size cpu --device cpu --codecs
 seed +1.7% / +3.4%; a third seed (2026-12-02, `... --seeds 1 --first-seed 2 --variants "a64=--lr 1e-3 --gamma 4"`,
 the same recipe on a target retrained on another machine, so paired within the seed only): 1.734 against 1.764,
 -1.7%. Mean +1.1% over three seeds, range 5.1 points: q4 costs no measurable tau at this size.
+q6 (2026-12-02, the same run with `--codecs lossless,q4,q6`: one seed, paired with that lossless run): 1.749
+against 1.764, -0.8%.
 """
 
 from __future__ import annotations
@@ -64,7 +66,14 @@ CODEC_COSTS: dict[str, CodecCost] = {
         tau_seeds=2,
         tau_bench="15M-parameter target, H200",
     ),
-    "q6": CodecCost(ratio=2.72, scale_bytes=0, rel_error=0.023),
+    "q6": CodecCost(
+        ratio=2.72,
+        scale_bytes=0,
+        rel_error=0.023,
+        tau_delta=-0.008,
+        tau_seeds=1,
+        tau_bench="1.3M-parameter target, CPU",
+    ),
     "q4": CodecCost(
         ratio=4.25,
         scale_bytes=0,

@@ -20,8 +20,9 @@ prompt lookup): per seed +0.2%, -0.5%, -0.9% (walk 2.184/2.179, 2.136/2.147, 2.0
 at 500 steps (`--size full --steps 500`, a drafter still below prompt lookup): -0.21%, +0.09%, -0.11%.
 q4 (2026-12-01, this CPU box, `bench_quality.py --size cpu --device cpu --codecs lossless,q4 --fractions 1
 --variants "a64=--lr 1e-3" --seeds 2`, 1500 steps): walk 1.776 / 1.913 against lossless's 1.746 / 1.850, per
-seed +1.7% / +3.4%; two more seeds (2026-12-02, `... --seeds 2 --first-seed 2 --variants "a64=--lr 1e-3 --gamma 4"`,
-the same recipe on a target retrained on another machine, so each seed is paired with its own lossless run):
+seed +1.7% / +3.4%; two more seeds (2026-12-02, `... --seeds 1 --first-seed 2 --variants "a64=--lr 1e-3 --gamma 4"`,
+then `--first-seed 3`: the same recipe on a target retrained on another machine, so each seed is paired with its
+own lossless run):
 1.734 / 1.635 against 1.764 / 1.734, -1.7% / -5.7%. Mean -0.6% over four seeds, range 9.1 points: at this size
 seeds move the comparison more than q4 does, but on the retrained target both seeds were lower.
 q6 (the same two runs' seeds 2 and 3, `--codecs lossless,q6,q4`): 1.749 / 1.745 against 1.764 / 1.734, -0.8% /

@@ -156,11 +156,8 @@ def test_dry_run_table(setup, capsys):
         "tau vs lossless",
     ):
         assert word in text
-    for codec in (
-        "q4",
-        "fp8",
-        "q6",
-    ):  # measured on the quality benchmark: the figure and its seed count shown
+    # every codec is measured on the quality benchmark: its figure and its seed count are shown
+    for codec in ("q4", "fp8", "q6"):
         line = next(line for line in text.splitlines() if line.startswith(f"{codec} "))
         cost = CODEC_COSTS[codec]
         assert cost.tau_seeds >= 1 and f"({cost.tau_seeds} seed" in line and cost.tau_text() in line

@@ -3,16 +3,19 @@
     python bench/bench_quality.py --quick                    # one H200: one seed, lossless and fp8 caches
     python bench/bench_quality.py --size full                # three seeds (fp8 vs lossless spread), data sizes
 
-Time on one H200 (BENCHMARKS.md): target 147 s, data 73 s (`--unpack` a packed target and data to skip both),
-extraction ~2 min (one `dflash-extract` per codec, side by side), then the runs side by side (each codec's as
-soon as its cache is complete; --quick's two at 3000 steps, ~4.6 epochs) and ~45 s of evaluation.
+Time on one H200 (BENCHMARKS.md): target 140 s, data 61 s (`--unpack` a packed target and data to skip both),
+extraction 48 s (fp8) / 76 s (lossless), side by side, then the runs side by side (each codec's as soon as its
+cache is complete; --quick's two at 1500 steps, ~2.3 epochs, sized to end inside one 10-minute call from
+scratch; the recipe's measure is the full size's 4500) and their evaluations.
     python bench/bench_quality.py --size ci --device cpu     # seconds: every phase, tiny (CI runs this)
     python bench/bench_quality.py --size cpu --device cpu    # the development box: a real but small signal
 
 Longer than one call of a rationed machine (`--size full`: six 4500-step runs side by side train ~15 min):
 start it detached (`setsid nohup python bench/bench_quality.py ... > W/bench.log 2>&1 &`) and read each run's
-`W/runs/*/metrics.jsonl` from later calls while the machine is still held; `--train-args "--eval-every 1500"` gives
-every run evaluations along the way, so a cut leaves numbers behind.
+`W/runs/*/metrics.jsonl` from later calls while the machine is still held. The first codec's first seed
+evaluates along the way (`eval_points`), the other runs at their end; `--train-args "--eval-every 1500"` makes
+every run do so, so a cut leaves numbers behind, at a price: six evaluations at once took ~3.7 minutes each
+before the evaluation's threads were fixed.
 
 Phases (each kept in --work and skipped when its output exists, so a cut-off run resumes where it stopped):
 1. target: a byte-level BPE and a small Qwen3 LM trained on Python sources (`quality_data`), saved in bf16
@@ -186,12 +189,12 @@ SIZES: dict[str, Size] = {
             block_size=16,
             num_anchors=512,
             token_budget=8192,
-            # ~4.6 epochs of the 16k rows (~650 packs each): one epoch (500 steps) walked 0.51x prompt lookup;
-            # on the `cpu` size the drafter passed prompt lookup in its second epoch and 1.5x of it in its
-            # fifth (1.6x after ~8, BENCHMARKS.md).
-            steps=3000,
+            # ~2.3 epochs of the 16k rows (~650 packs each), what fits one 10-minute call after building the
+            # target (140 s), the data (61 s) and the caches: one epoch (500 steps) walked 0.51x prompt lookup,
+            # 1500 steps of a 3000-step schedule 1.28x; 4500 steps (the full size) walk >1.4x (BENCHMARKS.md).
+            steps=1500,
             lr=1e-3,
-            eval_points=4,
+            eval_points=2,
             target_layer_ids="0,1,2,3,4,5,6,7",
             # The paper's gamma (7 for B = 16) spends most of the loss on slots this budget's drafter rarely
             # reaches. On the `cpu` size gamma 1 / 2 walked +20% / +13% over the paper's at 1500 steps. Its
@@ -201,20 +204,21 @@ SIZES: dict[str, Size] = {
         ),
         fractions=(1.0,),  # the data-size curve is the full size's: three more runs do not fit in 10 minutes
         # q4's run is the full size's: a third run side by side does not fit in 10 minutes either. fp8 first:
-        # its run draws the tau-vs-steps curve (three more evaluations) since its cache is extracted sooner
-        # and costs the loader less, leaving the lossless run, the call's longest, one evaluation.
+        # its run draws the tau-vs-steps curve (one more evaluation) since its cache is extracted sooner and
+        # costs the loader less, leaving the lossless run, the call's longest, one evaluation.
         codecs=("fp8", "lossless"),
         parallel_runs=8,
     ),
 }
 # 4500 steps (~6.9 epochs): on a 4500-step schedule the quick size's drafter walked 1.52x prompt lookup at
-# step 3375, where 3000 steps end at 1.44x (one seed each, BENCHMARKS.md); several calls of one H200.
+# step 3375, where 3000 steps end at 1.44x (one seed each, BENCHMARKS.md); several calls of one H200. The
+# first codec's first seed evaluates every 1500 steps.
 SIZES["full"] = replace(
     SIZES["quick"],
     seeds=3,
     fractions=(0.25, 0.5, 1.0),
     codecs=("lossless", "fp8", "q4"),
-    drafter=replace(SIZES["quick"].drafter, steps=4500),
+    drafter=replace(SIZES["quick"].drafter, steps=4500, eval_points=3),
 )
 
 

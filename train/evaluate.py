@@ -8,8 +8,10 @@ decode (start at the first response token, advance by A + 1): tau as serving wou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 from dflash.shards import Cache, Sample
 from dflash.shards.errors import ShardError
+from dflash.shards.threads import keep_own_threads, one_torch_thread, torch_threads
 
 from .acceptance import accepted_lengths, decode_walk, walk_tau
 from .blocks import eligible_anchors
@@ -111,19 +114,33 @@ def evaluate(
 ) -> dict[str, Any]:
     """Metrics over the held-out set: loss, accuracy, tau, the decode walk's tau, and how many samples were
     evaluated and skipped (`eval_samples`, `eval_skipped_samples`, `eval_skipped_shards`; only these when
-    nothing could be evaluated). An empty held-out set gives {}."""
+    nothing could be evaluated), and its wall time (`eval_seconds`, of which `eval_walk_seconds`). An empty
+    held-out set gives {}."""
     if not eval_set.batches:
         return {}
+    started = time.perf_counter()
     was_training = model.training
     model.eval()
     autocast = mixed_precision(device)
     total: LossStats | None = None
     walk_steps: list[int] = []
+    walk_seconds = 0.0
     # Prompt lookup's walk over the same rows: the free baseline to beat (once per eval set, see EvalSet).
     lookup_steps = None if spec.block_size in eval_set.lookup_steps else []
     evaluated = skipped = 0
+    keep_own_threads()
     try:
-        with ThreadPoolExecutor(spec.loader_threads, thread_name_prefix="dflash-eval") as pool, autocast:
+        # Reading, decoding and packing are the only CPU work here. Left at the machine's width, every torch op
+        # of the readers and of this thread fanned out over an OpenMP team: with six runs side by side on an
+        # H200 box one evaluation took ~3.7 minutes while their training steps stayed fast (BENCHMARKS.md).
+        # On CUDA this thread only packs and launches, so it runs torch on itself too; on the CPU it computes.
+        with (
+            ThreadPoolExecutor(
+                spec.loader_threads, thread_name_prefix="dflash-eval", initializer=one_torch_thread
+            ) as pool,
+            torch_threads(1) if device.type == "cuda" else contextlib.nullcontext(),
+            autocast,
+        ):
             for index, refs in enumerate(eval_set.batches):
                 samples, dropped = _read_samples(cache, refs, spec, pool)
                 skipped += dropped
@@ -132,19 +149,22 @@ def evaluate(
                 generator = torch.Generator().manual_seed(
                     spec.seed * 1_000_003 + index * 7919 + _EVAL_ANCHOR_TAG
                 )
-                batch = spec.pack(samples, generator=generator).to(device)
-                if not bool((batch.weights > 0).any()):
+                batch = spec.pack(samples, generator=generator)
+                if not bool((batch.weights > 0).any()):  # on the host, before the copy: no device sync
                     continue
+                batch = batch.to(device)
                 _, stats = drafter_loss(
                     model, frozen, batch, attn_mask=build_attention_mask(batch, spec.attention)
                 )
                 total = stats if total is None else total.merge(stats)
                 evaluated += len(samples)
                 if walk:
-                    for sample in samples:
-                        walk_steps.extend(_walk_one(model, frozen, sample, spec, device=device))
-                        if lookup_steps is not None:
+                    walk_started = time.perf_counter()
+                    walk_steps.extend(_walk_batch(model, frozen, samples, spec, device=device))
+                    if lookup_steps is not None:
+                        for sample in samples:
                             lookup_steps.extend(_lookup_walk(sample, spec.block_size))
+                    walk_seconds += time.perf_counter() - walk_started
     finally:
         model.train(was_training)
     counts = {
@@ -157,7 +177,10 @@ def evaluate(
     if lookup_steps is not None and walk:
         eval_set.lookup_steps[spec.block_size] = lookup_steps
     lookup = eval_set.lookup_steps.get(spec.block_size, [])
-    return _summary(total, walk_steps, lookup, spec.block_size) | counts
+    timing = {"eval_seconds": round(time.perf_counter() - started, 3)}
+    if walk:
+        timing["eval_walk_seconds"] = round(walk_seconds, 3)
+    return _summary(total, walk_steps, lookup, spec.block_size) | counts | timing
 
 
 def _summary(
@@ -179,24 +202,44 @@ def _summary(
     return {k: v for k, v in result.items() if not (isinstance(v, float) and math.isnan(v))}
 
 
-def _walk_one(
-    model: DFlashDrafter, frozen: FrozenTarget, sample: Sample, spec: DataSpec, *, device: torch.device
+def _walk_batch(
+    model: DFlashDrafter,
+    frozen: FrozenTarget,
+    samples: Sequence[Sample],
+    spec: DataSpec,
+    *,
+    device: torch.device,
 ) -> list[int]:
-    """A per decode step of one sequence: blocks at every eligible anchor, then the greedy walk."""
+    """A per decode step of each sequence, in order: blocks at every eligible anchor, then the greedy walk.
+    The accepted lengths stay on the device until every sample's passes are queued (one sync, not one per
+    sample: the host keeps launching while the GPU works)."""
+    accepted = [_accepted_at(model, frozen, sample, spec, device=device) for sample in samples]
+    lengths = [a.numel() for a in accepted]
+    on_host = torch.cat(accepted).cpu().split(lengths)
+    steps: list[int] = []
+    for sample, accepted_at in zip(samples, on_host, strict=True):
+        # Anchors with no drafted slot in the response (a+1 outside it) never occur in the walk.
+        steps.extend(decode_walk(accepted_at, sample.loss_mask))
+    return steps
+
+
+def _accepted_at(
+    model: DFlashDrafter, frozen: FrozenTarget, sample: Sample, spec: DataSpec, *, device: torch.device
+) -> torch.Tensor:
+    """[S] on `device`: A for the block anchored at each position of one sequence, -1 where none is computed."""
     # Walk batches change shape with every sample, and inductor has failed to lower FlexAttention for some
     # of them (H200, torch 2.11): under "flex" the walk uses "auto" (dense when small, a fallback when not).
     attention = "dense" if spec.attention == "dense" else "auto"
     anchors = eligible_anchors(sample.loss_mask)
-    accepted_at = torch.full((sample.length,), -1, dtype=torch.long)
+    accepted_at = torch.full((sample.length,), -1, dtype=torch.long, device=device)
     for start in range(0, anchors.numel(), _WALK_ANCHORS_PER_PASS):
         chunk = anchors[start : start + _WALK_ANCHORS_PER_PASS]
         batch = spec.pack([sample], anchors=[chunk], num_anchors=max(1, chunk.numel())).to(device)
         preds = _block_predictions(model, frozen, batch, attention=attention)
         n = chunk.numel()
         labels, valid = batch.labels[:n, 1:], batch.weights[:n, 1:] > 0
-        accepted_at[chunk] = accepted_lengths(preds[:n], labels, valid).cpu()
-    # Anchors with no drafted slot in the response (a+1 outside it) never occur in the walk.
-    return decode_walk(accepted_at, sample.loss_mask)
+        accepted_at[chunk.to(device)] = accepted_lengths(preds[:n], labels, valid)
+    return accepted_at
 
 
 def _lookup_walk(sample: Sample, block_size: int) -> list[int]:

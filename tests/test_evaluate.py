@@ -1,0 +1,92 @@
+"""Held-out evaluation: the decode walk over several samples at once, its threads, its timing."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from dflash.shards import Cache
+from dflash.train import evaluate as evaluate_mod
+from dflash.train.acceptance import accepted_lengths, decode_walk
+from dflash.train.blocks import eligible_anchors
+from dflash.train.data_spec import DataSpec
+from dflash.train.evaluate import build_eval_set, evaluate
+from dflash.train.frozen import load_frozen_target
+from dflash.train.model import DFlashDrafter, DrafterConfig
+
+from tests.common.fake_cache import write_fake_cache
+
+MASK = 90  # the fake target's vocabulary leaves rows free past its tokenizer
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return write_fake_cache(tmp_path_factory.mktemp("cache"), num_samples=24, samples_per_shard=8)
+
+
+def _spec(**kw) -> DataSpec:
+    return DataSpec(layer_ids=(2,), block_size=4, mask_token_id=MASK, num_anchors=8, gamma=1.0,
+                    token_budget=256, max_length=128, heldout_fraction=0.5, loader_threads=2, **kw)  # fmt: skip
+
+
+def _model(frozen) -> DFlashDrafter:
+    torch.manual_seed(0)
+    config = DrafterConfig.from_target_config(
+        frozen.config, mask_token_id=MASK, num_hidden_layers=1, block_size=4, target_layer_ids=[2]
+    )
+    return DFlashDrafter(config).eval()
+
+
+def _walk_anchor_by_anchor(model, frozen, sample, spec) -> list[int]:
+    """The reference: each block drafted in a pack of its own (what a sequential decode would see)."""
+    accepted_at = torch.full((sample.length,), -1, dtype=torch.long)
+    for a in eligible_anchors(sample.loss_mask).tolist():
+        batch = spec.pack([sample], anchors=[torch.tensor([a])], num_anchors=1)
+        preds = evaluate_mod._block_predictions(model, frozen, batch)
+        accepted_at[a] = accepted_lengths(preds[:1], batch.labels[:1, 1:], batch.weights[:1, 1:] > 0)[0]
+    return decode_walk(accepted_at, sample.loss_mask)
+
+
+@torch.no_grad()
+def test_walk_over_several_samples_equals_each_block_drafted_alone(cache_dir: Path) -> None:
+    spec = _spec()
+    frozen = load_frozen_target(cache_dir, dtype=torch.float32)
+    model = _model(frozen)
+    with Cache.open(cache_dir) as cache:
+        refs = build_eval_set(cache, spec).batches[0]
+        samples = [cache.shard(r.shard).read(r.index, spec.layer_ids) for r in refs]
+    assert len(samples) >= 3
+    batched = evaluate_mod._walk_batch(model, frozen, samples, spec, device=torch.device("cpu"))
+    expected = [a for s in samples for a in _walk_anchor_by_anchor(model, frozen, s, spec)]
+    assert batched == expected
+    assert len(expected) > len(samples)  # several decode steps per sample: the order within each one counts
+
+
+def test_evaluation_readers_run_torch_on_one_thread_and_report_their_time(
+    cache_dir: Path, monkeypatch
+) -> None:
+    seen: dict[str, int] = {}
+    read = evaluate_mod.read_sample
+
+    def recording(*args, **kwargs):
+        seen[threading.current_thread().name] = torch.get_num_threads()
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_mod, "read_sample", recording)
+    spec = _spec()
+    frozen = load_frozen_target(cache_dir, dtype=torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # what a wide machine gives every new thread unless it is told otherwise
+    try:
+        with Cache.open(cache_dir) as cache:
+            result = evaluate(_model(frozen), frozen, cache, build_eval_set(cache, spec), spec,
+                              device=torch.device("cpu"))  # fmt: skip
+        assert torch.get_num_threads() == 3  # the caller's own count is left as it was
+    finally:
+        torch.set_num_threads(before)
+    readers = {name: n for name, n in seen.items() if name.startswith("dflash-eval")}
+    assert readers and set(readers.values()) == {1}, seen
+    assert result["eval_samples"] > 0 and result["walk_steps"] > 0
+    assert 0 < result["eval_walk_seconds"] <= result["eval_seconds"]

@@ -5,17 +5,16 @@
 
 Time on one H200 (BENCHMARKS.md): target 140 s, data 61 s (`--unpack` a packed target and data to skip both),
 extraction 48 s (fp8) / 76 s (lossless), side by side, then the runs side by side (each codec's as soon as its
-cache is complete; --quick's two at 1500 steps, ~2.3 epochs, sized to end inside one 10-minute call from
-scratch; the recipe's measure is the full size's 4500) and their evaluations.
+cache is complete; --quick's two at 1500 steps, ~2.3 epochs: 552 s from scratch to the table; the recipe's
+measure is the full size's 4500) and their evaluations.
     python bench/bench_quality.py --size ci --device cpu     # seconds: every phase, tiny (CI runs this)
     python bench/bench_quality.py --size cpu --device cpu    # the development box: a real but small signal
 
-Longer than one call of a rationed machine (`--size full`: six 4500-step runs side by side train ~15 min):
+Longer than one call of a rationed machine (`--size full`: six 4500-step runs side by side train ~16 min):
 start it detached (`setsid nohup python bench/bench_quality.py ... > W/bench.log 2>&1 &`) and read each run's
 `W/runs/*/metrics.jsonl` from later calls while the machine is still held. The first codec's first seed
 evaluates along the way (`eval_points`), the other runs at their end; `--train-args "--eval-every 1500"` makes
-every run do so, so a cut leaves numbers behind, at a price: six evaluations at once took ~3.7 minutes each
-before the evaluation's threads were fixed.
+every run do so, so a cut leaves numbers behind (six evaluations at once: 25-42 s each).
 
 Phases (each kept in --work and skipped when its output exists, so a cut-off run resumes where it stopped):
 1. target: a byte-level BPE and a small Qwen3 LM trained on Python sources (`quality_data`), saved in bf16

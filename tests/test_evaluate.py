@@ -9,6 +9,7 @@ import pytest
 import torch
 from dflash.shards import Cache
 from dflash.train import evaluate as evaluate_mod
+from dflash.train import mask as mask_module
 from dflash.train.acceptance import accepted_lengths, decode_walk
 from dflash.train.blocks import eligible_anchors
 from dflash.train.data_spec import DataSpec
@@ -62,6 +63,36 @@ def test_walk_over_several_samples_equals_each_block_drafted_alone(cache_dir: Pa
     expected = [a for s in samples for a in _walk_anchor_by_anchor(model, frozen, s, spec)]
     assert batched == expected
     assert len(expected) > len(samples)  # several decode steps per sample: the order within each one counts
+
+
+@torch.no_grad()
+def test_a_flex_failure_in_the_walk_leaves_training_on_flex(cache_dir: Path, monkeypatch) -> None:
+    spec = _spec()
+    frozen = load_frozen_target(cache_dir, dtype=torch.float32)
+    model = _model(frozen)
+    with Cache.open(cache_dir) as cache:
+        refs = build_eval_set(cache, spec).batches[0]
+        samples = [cache.shard(r.shard).read(r.index, spec.layer_ids) for r in refs]
+    expected = [a for s in samples for a in _walk_anchor_by_anchor(model, frozen, s, spec)]
+    monkeypatch.setattr(mask_module, "_flex_failures", {})
+    # As on a GPU with large walk packs: "auto" picks FlexAttention until it fails where it runs.
+    monkeypatch.setattr(
+        mask_module,
+        "choose_backend",
+        lambda _batch, backend="auto": "dense" if backend == "dense" or mask_module.flex_failure() else "flex",
+    )
+
+    def lowering_fails(_device):
+        def run(*_args, **_kwargs):
+            raise RuntimeError("LoweringException: walk shape")
+
+        return run
+
+    monkeypatch.setattr(mask_module, "_flex_attention", lowering_fails)
+    walked = evaluate_mod._walk_batch(model, frozen, samples, spec, device=torch.device("cpu"))
+    assert walked == expected  # the walk itself fell back to dense SDPA: same decode steps
+    assert mask_module.flex_failure("decode walk") == "RuntimeError: LoweringException: walk shape"
+    assert mask_module.flex_failure("train") is None  # training's batches still get FlexAttention
 
 
 def test_evaluation_readers_run_torch_on_one_thread_and_report_their_time(

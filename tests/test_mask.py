@@ -205,7 +205,7 @@ def _shape_only(num_blocks: int, context: int, device: str = "cuda") -> SimpleNa
 @pytest.fixture
 def flex_state(monkeypatch):
     """A process in which FlexAttention has not failed yet (restored afterwards)."""
-    monkeypatch.setattr(mask_module, "_flex_failure", None)
+    monkeypatch.setattr(mask_module, "_flex_failures", {})
     return monkeypatch
 
 
@@ -274,6 +274,26 @@ def test_auto_falls_back_when_the_block_mask_cannot_be_built(flex_state, caplog)
     assert "TypeError: create_block_mask failed" in caplog.text
     with pytest.raises(TypeError):  # "flex" never falls back
         build_attention_mask(batch, "flex")
+
+
+def test_a_fallback_stays_in_the_scope_where_flex_failed(flex_state) -> None:
+    model, frozen = _model(5)
+    _, batch = _pack([30, 12], num_anchors=5, pad=4)
+    calls: list = []
+    flex_state.setattr(mask_module, "_flex_attention", _failing_flex(calls, RuntimeError("walk shape")))
+    large = _shape_only(4096, 10**5)
+    with mask_module.flex_scope("decode walk"):
+        fell_back = _logits(model, frozen, batch, FlexMask.from_batch(batch, fallback_to_dense=True))
+        assert mask_module.flex_failure() == "RuntimeError: walk shape"
+        assert choose_backend(large) == "dense"  # the walk's later masks skip the kernel that failed there
+    assert torch.equal(fell_back, _logits(model, frozen, batch, "dense"))
+    # Training, the default scope, keeps FlexAttention and tries it on its own.
+    assert mask_module.flex_failure() is None and mask_module.flex_failure("train") is None
+    assert choose_backend(large) == "flex"
+    _logits(model, frozen, batch, FlexMask.from_batch(batch, fallback_to_dense=True))
+    assert calls == [True, True] and mask_module.flex_failure() == "RuntimeError: walk shape"
+    with mask_module.flex_scope("decode walk"):
+        assert choose_backend(large) == "dense"
 
 
 def test_flex_is_strict_and_out_of_memory_is_never_masked_by_a_fallback(flex_state) -> None:

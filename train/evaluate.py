@@ -29,7 +29,7 @@ from .data_spec import DataSpec, read_sample, shard_entries
 from .frozen import FrozenTarget
 from .lookup import lookup_accepted
 from .loss import LossStats, drafter_loss
-from .mask import build_attention_mask
+from .mask import build_attention_mask, flex_scope
 from .model import DFlashDrafter
 from .parallelize import mixed_precision
 
@@ -228,14 +228,16 @@ def _accepted_at(
 ) -> torch.Tensor:
     """[S] on `device`: A for the block anchored at each position of one sequence, -1 where none is computed."""
     # Walk batches change shape with every sample, and inductor has failed to lower FlexAttention for some
-    # of them (H200, torch 2.11): under "flex" the walk uses "auto" (dense when small, a fallback when not).
+    # of them (H200, torch 2.11): under "flex" the walk uses "auto" (dense when small, a fallback when not),
+    # in a scope of its own so that a fallback here leaves training on FlexAttention.
     attention = "dense" if spec.attention == "dense" else "auto"
     anchors = eligible_anchors(sample.loss_mask)
     accepted_at = torch.full((sample.length,), -1, dtype=torch.long, device=device)
     for start in range(0, anchors.numel(), _WALK_ANCHORS_PER_PASS):
         chunk = anchors[start : start + _WALK_ANCHORS_PER_PASS]
         batch = spec.pack([sample], anchors=[chunk], num_anchors=max(1, chunk.numel())).to(device)
-        preds = _block_predictions(model, frozen, batch, attention=attention)
+        with flex_scope("decode walk"):
+            preds = _block_predictions(model, frozen, batch, attention=attention)
         n = chunk.numel()
         labels, valid = batch.labels[:n, 1:], batch.weights[:n, 1:] > 0
         accepted_at[chunk.to(device)] = accepted_lengths(preds[:n], labels, valid)

@@ -13,14 +13,17 @@ Public API (stable):
         FlexMask.from_rule(batch)    the same BlockMask from create_block_mask over `mask_mod_for` (reference)
     build_attention_mask(batch, backend="auto") -> DenseMask | FlexMask   (see `choose_backend`)
     choose_backend(batch, backend="auto") -> "dense" | "flex"   the rule "auto" follows
+    with flex_scope("walk"): ...   an "auto" fallback inside is the scope's alone (training keeps its kernel)
         visible_pairs(batch) -> int                             allowed (query, key) pairs (for FLOP counts)
 q: [1, Hq, M, D], k/v: [1, Hkv, T+M, D] (GQA handled inside), output [1, Hq, M, D].
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -112,8 +115,23 @@ class DenseMask:
 
 
 _compiled_flex: Callable[..., torch.Tensor] | None = None
-# Why FlexAttention failed in this process ("auto" then uses SDPA for the rest of the run), or None.
-_flex_failure: str | None = None
+# Why FlexAttention failed in this process, per scope ("auto" then uses SDPA there for the rest of the run).
+# Scopes keep a failure where it happened: the decode walk's masks change shape with every sample, and
+# Inductor has failed to lower some of them (H200, torch 2.11) while training's shapes compiled fine; a walk
+# failure must not cost training its kernel (dense SDPA needs more memory on long batches).
+_flex_failures: dict[str, str] = {}
+_scope: contextvars.ContextVar[str] = contextvars.ContextVar("dflash_flex_scope", default="train")
+
+
+@contextlib.contextmanager
+def flex_scope(name: str) -> Iterator[None]:
+    """Masks built and run inside fall back to dense SDPA on their own: a FlexAttention failure here leaves
+    other scopes (training's is "train") on FlexAttention, and one elsewhere does not reach this one."""
+    token = _scope.set(name)
+    try:
+        yield
+    finally:
+        _scope.reset(token)
 
 
 def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
@@ -129,19 +147,20 @@ def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
 
 
 def _disable_flex(exc: BaseException) -> None:
-    global _flex_failure
     detail = (str(exc).strip().splitlines() or [""])[0][:300]
-    _flex_failure = f"{type(exc).__name__}: {detail}"
+    scope = _scope.get()
+    _flex_failures[scope] = f"{type(exc).__name__}: {detail}"
     log.warning(
-        "FlexAttention failed (%s); attention = auto falls back to dense SDPA for the rest of this run "
-        "(same results, more memory on long batches; --attention flex makes this an error)",
-        _flex_failure,
+        "FlexAttention failed in %s (%s); attention = auto falls back to dense SDPA there for the rest of "
+        "this run (same results, more memory on long batches; --attention flex makes this an error)",
+        "training" if scope == "train" else f"the {scope}",
+        _flex_failures[scope],
     )
 
 
-def flex_failure() -> str | None:
-    """Why FlexAttention was given up in this process (None if it was not)."""
-    return _flex_failure
+def flex_failure(scope: str | None = None) -> str | None:
+    """Why FlexAttention was given up in this process, in `scope` (default: the current one; None if not)."""
+    return _flex_failures.get(_scope.get() if scope is None else scope)
 
 
 @dataclass(slots=True)
@@ -184,7 +203,7 @@ class FlexMask:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         if self.fallback_batch is None:
             return self._flex(q, k, v, scale)
-        if _flex_failure is None:
+        if flex_failure() is None:
             try:
                 with compile_backward_now():
                     return self._flex(q, k, v, scale)
@@ -218,7 +237,7 @@ def choose_backend(
 ) -> Literal["dense", "flex"]:
     """The implementation `build_attention_mask` uses. "dense"/"flex" are taken as given; "auto" picks
     dense SDPA off CUDA, for batches of at most `AUTO_DENSE_MAX_PAIRS` (query, key) pairs, and after
-    FlexAttention failed in this process; FlexAttention otherwise."""
+    FlexAttention failed in this process's current `flex_scope`; FlexAttention otherwise."""
     if backend not in ATTENTION_CHOICES:
         raise ValueError(f"attention backend must be 'auto', 'dense' or 'flex', got {backend!r}")
     if backend != "auto":
@@ -227,7 +246,7 @@ def choose_backend(
     if (
         batch.block_seq.device.type != "cuda"
         or m * (batch.num_context_tokens + m) <= AUTO_DENSE_MAX_PAIRS
-        or _flex_failure is not None
+        or flex_failure() is not None
     ):
         return "dense"
     return "flex"

@@ -79,7 +79,9 @@ def test_a_flex_failure_in_the_walk_leaves_training_on_flex(cache_dir: Path, mon
     monkeypatch.setattr(
         mask_module,
         "choose_backend",
-        lambda _batch, backend="auto": "dense" if backend == "dense" or mask_module.flex_failure() else "flex",
+        lambda _batch, backend="auto": (
+            "dense" if backend == "dense" or mask_module.flex_failure() else "flex"
+        ),
     )
 
     def lowering_fails(_device):

@@ -214,14 +214,19 @@ def diff_manifests(
 
 def _comparable(a: Manifest, b: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:
     """Two manifests' dicts without what a resume must not compare: the target's path (the same target
-    may be spelled as another path), and `weights_sha256` when one of them predates it."""
+    may be spelled as another path), and `weights_sha256` / the dataset's `tokens_xxh3` when one of them
+    predates it."""
     da, db = a.to_dict(), b.to_dict()
-    ta, tb = dict(da.get("target") or {}), dict(db.get("target") or {})
-    both = "weights_sha256" in ta and "weights_sha256" in tb
-    for key in ("name_or_path", *(() if both else ("weights_sha256",))):
-        ta.pop(key, None)
-        tb.pop(key, None)
-    da["target"], db["target"] = ta, tb
+    for section, never, newer in (
+        ("target", ("name_or_path",), "weights_sha256"),
+        ("dataset", (), "tokens_xxh3"),
+    ):
+        sa, sb = dict(da.get(section) or {}), dict(db.get(section) or {})
+        both = newer in sa and newer in sb
+        for key in never + (() if both else (newer,)):
+            sa.pop(key, None)
+            sb.pop(key, None)
+        da[section], db[section] = sa, sb
     return da, db
 
 

@@ -9,6 +9,7 @@ hidden states free of NaN/inf (counted from the exponent bits, without building 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,22 @@ def _check_against_manifest(cache: Cache, reader: Any, report: VerifyReport) -> 
         report.add(name, f"{reader.path}: hidden_size {reader.hidden_size} != manifest {m.hidden_size}")
 
 
+def _dataset_differences(recorded: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
+    """The fingerprint fields on which the given dataset is not the one the cache was extracted from (a field
+    the manifest predates is not compared)."""
+    what = {
+        "rows": "row count differs",
+        "lengths_sha256": "row lengths differ",
+        "tokens_xxh3": "token ids or loss masks differ",
+    }
+    return [
+        f"the dataset's {text} from the dataset this cache was extracted from "
+        f"(manifest dataset.{key} {recorded[key]!r}, the dataset's {given.get(key)!r})"
+        for key, text in what.items()
+        if key in recorded and recorded[key] != given.get(key)
+    ]
+
+
 def _check_sample(reader: ShardReader, i: int, limits: ReadLimits) -> tuple[list[str], int]:
     """Problems of sample i found by decoding each frame, and the bytes its frames decode to."""
     entry = reader.entries[i]
@@ -139,12 +156,22 @@ def _check_shard(reader: ShardReader, report: VerifyReport, limits: ReadLimits) 
             report.add(reader.name, problem)
 
 
-def verify_cache(cache: Cache, dataset_rows: int | None = None, *, quick: bool = False) -> VerifyReport:
+def verify_cache(
+    cache: Cache,
+    dataset_rows: int | None = None,
+    *,
+    quick: bool = False,
+    dataset: Mapping[str, Any] | None = None,
+) -> VerifyReport:
     """Check every shard (every frame decoded, or only re-hashed with `quick`; index, footer, manifest
     stats) and, given the dataset's row count, that each row 0..dataset_rows-1 is stored exactly once or
-    listed in the manifest's `skipped`."""
+    listed in the manifest's `skipped`. Given the dataset's fingerprint (`dataset`, what the extractor
+    records), its rows, lengths and tokens must be the ones the cache was extracted from."""
     m = cache.manifest
     report = VerifyReport(cache=str(cache.path), complete=m.complete, quick=quick)
+    if dataset is not None:
+        dataset_rows = int(dataset["rows"]) if dataset_rows is None else dataset_rows
+        report.problems.extend(_dataset_differences(m.dataset, dataset))
     if not m.complete:
         report.problems.append(
             f"{cache.path}: cache is incomplete (manifest complete=false): extraction unfinished"

@@ -20,6 +20,7 @@ from common.targets import make_target
 from dflash.extract.cli import main as extract_main
 from dflash.shards import Cache, load_manifest, target_parts, verify_cache
 from dflash.shards.outdir import claim_out_dir
+from dflash.tools.shards_cli import main as shards_main
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -236,6 +237,28 @@ def test_resume_with_the_target_path_spelled_otherwise(tmp_path, capsys, dataset
     other = make_target(tmp_path / "other", "qwen3", seed=1)  # same config.json, other weights
     line = _refused(capsys, _argv(other, dataset, out))
     assert "resume refused" in line and "target.weights_sha256" in line and "name_or_path" not in line
+
+
+def test_a_dataset_retokenized_to_the_same_lengths_is_caught(tmp_path, capsys, rows, dataset, qwen3) -> None:
+    out = tmp_path / "cache"
+    assert extract_main(_argv(qwen3, dataset, out)) == 0
+    capsys.readouterr()
+    # Same rows, lengths, masks, dtypes and file sizes; other token ids in the first rows.
+    changed = [((ids + 1) % 200 if r < 4 else ids, mask) for r, (ids, mask) in enumerate(rows)]
+    other = write_dataset(tmp_path / "other", changed)
+    assert sorted(f.stat().st_size for f in other.rglob("*.arrow")) == sorted(
+        f.stat().st_size for f in dataset.rglob("*.arrow")
+    )
+    shards = lambda: {k: v for k, v in tree_snapshot(out).items() if k != ".lock"}  # noqa: E731
+    before = shards()
+    line = _refused(capsys, _argv(qwen3, other, out))
+    assert "resume refused" in line and "dataset.tokens_xxh3" in line
+    assert shards() == before  # the cache is left as it was (only the run lock was taken and given back)
+    assert shards_main(["verify", str(out), "--dataset", str(dataset)]) == 0
+    capsys.readouterr()
+    assert shards_main(["verify", str(out), "--dataset", str(other)]) == 1
+    report = capsys.readouterr().out
+    assert "FAILED" in report and "the dataset's token ids or loss masks differ" in report
 
 
 # --- item 10: dataset metadata pointing outside its directory -----------------------------------------------

@@ -93,7 +93,11 @@ def test_verify_against_a_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[
     ):
         w.write_table(table)
     d = _json(capsys, ["verify", str(tmp_path / "c"), "--dataset", str(ds), "--json"], rc=1)
-    assert d["problems"] == ["missing from the cache and not skipped: 1 rows (3)"]
+    assert d["problems"] == [
+        "the dataset's row count differs from the dataset this cache was extracted from "
+        "(manifest dataset.rows 3, the dataset's 4)",
+        "missing from the cache and not skipped: 1 rows (3)",
+    ]
 
 
 def test_plan_forwards_flags_to_the_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

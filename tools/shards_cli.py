@@ -80,7 +80,9 @@ def _size(n: float | None) -> str:
     raise AssertionError
 
 
-def _dataset_rows(path: str) -> int:
+def _dataset_identity(path: str) -> tuple[int, dict[str, Any] | None]:
+    """The dataset's row count and fingerprint (rows, lengths, tokens: what `verify --dataset` compares with
+    the manifest's), or only its row count where dflash.extract is not importable."""
     try:
         from dflash.extract.dataset import open_dataset
     except ImportError as exc:  # extract not importable here: count rows with pyarrow directly
@@ -89,8 +91,9 @@ def _dataset_rows(path: str) -> int:
         print(
             f"{PROG}: note: dflash.extract unavailable ({exc}); counting rows with pyarrow", file=sys.stderr
         )
-        return pads.dataset(path, format="arrow").count_rows()
-    return open_dataset(path).num_rows
+        return pads.dataset(path, format="arrow").count_rows(), None
+    fingerprint = open_dataset(path).fingerprint()
+    return fingerprint["rows"], fingerprint
 
 
 def _fields(d: dict[str, Any]) -> str:
@@ -174,8 +177,8 @@ def _main(argv: Sequence[str] | None) -> int:
                 for b in d["length_histogram"]:
                     print(f"  ({b['lo']:>6}, {b['hi']:>6}]  {b['count']}")
         else:
-            rows = _dataset_rows(args.dataset) if args.dataset else None
-            report = verify_cache(cache, dataset_rows=rows, quick=args.quick)
+            rows, fingerprint = _dataset_identity(args.dataset) if args.dataset else (None, None)
+            report = verify_cache(cache, dataset_rows=rows, quick=args.quick, dataset=fingerprint)
             out = report.to_dict()
 
             def text(d: dict) -> None:

@@ -23,7 +23,7 @@ from .layout import FOOTER, MAGIC, Entry, checksum, frame_names, index_checksum,
 from .manifest import Manifest, ShardInfo, load_manifest
 from .paths import SHARDS_DIR
 from .safe_io import open_regular
-from .trust import NO_LIMITS, ReadLimits, check_manifest_for_reading, check_shard_identity
+from .trust import NO_LIMITS, ReadLimits, check_manifest_for_reading, check_shard_identity, check_shard_layout
 
 
 @dataclass(slots=True)
@@ -345,12 +345,14 @@ class Cache:
             if name not in self._known:
                 raise KeyError(f"{self.path}: no shard named {name!r}")
         reader = ShardReader.open(self.path / SHARDS_DIR / name, self.limits)  # outside the lock: disk I/O
-        if self._from_manifest:
-            try:
+        try:
+            check_shard_layout(reader.path, self.manifest, reader.codec.to_dict(), reader.layers,
+                               reader.dtype, reader.hidden_size)  # fmt: skip
+            if self._from_manifest:
                 check_shard_identity(reader.path, self._listed[name], reader.info())
-            except ShardError:
-                reader.close()
-                raise
+        except ShardError:
+            reader.close()
+            raise
         with self._lock:
             reader = self._readers.setdefault(name, reader)
             self._readers.move_to_end(name)

@@ -77,3 +77,23 @@ def check_shard_identity(path: Path, listed: ShardInfo, got: ShardInfo) -> None:
             f"{path}: not the shard this cache's manifest lists ({'; '.join(wrong)}): replaced or "
             "rewritten after extraction; restore it or re-extract"
         )
+
+
+def check_shard_layout(
+    path: Path, m: Manifest, codec: dict, layers: list[int], dtype: str, hidden: int
+) -> None:
+    """A shard's own header must describe the cache's layout: readers find frames through the shard's
+    `layers` and decode them with its codec, dtype and width, so a shard whose header disagrees with the
+    manifest (rewritten, or copied in from another cache) would hand training other layers or garbage."""
+    wrong = [
+        f"{key} {got!r} != manifest {want!r}"
+        for key, got, want in (
+            ("codec", codec, m.codec),
+            ("layers", layers, list(m.layers)),
+            ("dtype", dtype, m.dtype),
+            ("hidden_size", hidden, m.hidden_size if m.hidden_size else hidden),
+        )
+        if got != want
+    ]
+    if wrong:
+        raise ShardError(f"{path}: its header disagrees with the manifest ({'; '.join(wrong)})")

@@ -3,7 +3,9 @@
 The full check (the default) decompresses every frame: token ids inside the target's vocabulary, a 0/1
 loss mask whose ones match the index's `supervised`, frame sizes matching the index's `length`, and
 hidden states free of NaN/inf (counted from the exponent bits, without building the float output).
-`quick=True` only re-hashes the stored bytes (what `verify` did before decoding existed).
+`quick=True` only re-hashes the stored bytes (what `verify` did before decoding existed). Either way each
+shard's header must match the manifest (codec, layers, dtype, width: `Cache.shard` checks it, as for
+training) and `target/` must hold what training reads (config, embedding, lm_head headers).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .layout import checksum
 from .manifest import ShardInfo
 from .paths import SHARDS_DIR
 from .reader import Cache, ShardReader
+from .target_parts import check_target_parts
 from .trust import ReadLimits
 
 _SHOW = 20  # rows listed per problem line; the count is always exact
@@ -70,19 +73,6 @@ class VerifyReport:
 def _rows_text(rows: list[int]) -> str:
     shown = ", ".join(map(str, rows[:_SHOW]))
     return f"{len(rows)} rows ({shown}{', ...' if len(rows) > _SHOW else ''})"
-
-
-def _check_against_manifest(cache: Cache, reader: Any, report: VerifyReport) -> None:
-    m = cache.manifest
-    name = reader.name
-    if reader.codec.to_dict() != m.codec:
-        report.add(name, f"{reader.path}: codec {reader.codec.to_dict()} != manifest codec {m.codec}")
-    if reader.layers != m.layers:
-        report.add(name, f"{reader.path}: layers {reader.layers} != manifest layers {m.layers}")
-    if reader.dtype != m.dtype:
-        report.add(name, f"{reader.path}: dtype {reader.dtype} != manifest dtype {m.dtype}")
-    if m.hidden_size and reader.hidden_size != m.hidden_size:
-        report.add(name, f"{reader.path}: hidden_size {reader.hidden_size} != manifest {m.hidden_size}")
 
 
 def _dataset_differences(recorded: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
@@ -172,6 +162,10 @@ def verify_cache(
     if dataset is not None:
         dataset_rows = int(dataset["rows"]) if dataset_rows is None else dataset_rows
         report.problems.extend(_dataset_differences(m.dataset, dataset))
+    try:  # what training reads besides the shards: config, embedding and lm_head (headers; values at training)
+        check_target_parts(cache.path)
+    except (ShardError, OSError, ValueError) as exc:
+        report.problems.append(str(exc))
     if not m.complete:
         report.problems.append(
             f"{cache.path}: cache is incomplete (manifest complete=false): extraction unfinished"
@@ -201,7 +195,6 @@ def verify_cache(
         report.frames_checked += sum(len(e.frames) for e in reader.entries)
         report.bytes_checked += reader.file_size
         _check_shard(reader, report, cache.limits)
-        _check_against_manifest(cache, reader, report)
         if name in listed:
             want, got = listed[name].to_dict(), reader.info().to_dict()
             for key in want:

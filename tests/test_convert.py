@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +151,7 @@ def test_other_settings_or_source_are_refused_naming_the_field(tmp_path: Path) -
         convert_cache(ConvertConfig(source=incomplete, out=tmp_path / "x", codec="q4"))
     no_parts = tmp_path / "no-parts"
     make_cache(no_parts, [3, 4])
+    shutil.rmtree(no_parts / "target")
     with pytest.raises(FileNotFoundError, match=r"config\.json is missing"):
         convert_cache(ConvertConfig(source=no_parts, out=tmp_path / "y", codec="q4"))
     assert not (tmp_path / "y").exists()

@@ -142,14 +142,23 @@ def test_verify_catches_duplicates_and_manifest_disagreements(tmp_path: Path) ->
     m = load_manifest(tmp_path)
     m.shards.append(ShardInfo(**{**m.shards[0].to_dict(), "name": shard_name(7)}))
     m.shards[1].tokens += 1
-    m.codec = {"name": "fp8", "level": 1}
     save_manifest(tmp_path, m)
     with Cache.open(tmp_path) as cache:
         report = verify_cache(cache, dataset_rows=3)
     assert not report.ok
     assert "row 0 stored 2 times (in shard-000000.dfs, shard-000007.dfs)" in report.problems
     assert any("tokens is 5 but the manifest says 6" in p for p in report.bad_shards[shard_name(1)])
-    assert any("codec" in p for p in report.bad_shards[shard_name(0)])
+    # A manifest whose layout the shards' headers contradict: no shard is read through it (training neither).
+    m.codec, m.layers = {"name": "fp8", "level": 1}, [1, 99]
+    save_manifest(tmp_path, m)
+    with Cache.open(tmp_path) as cache:
+        report = verify_cache(cache, dataset_rows=3)
+        with pytest.raises(ShardError, match="header disagrees with the manifest"):
+            cache.read(0)
+    for name in (shard_name(0), shard_name(1)):
+        (line,) = report.bad_shards[name]
+        assert "its header disagrees with the manifest" in line
+        assert "codec {'name': 'lossless'" in line and "layers [1, 3] != manifest [1, 99]" in line
     (shards / shard_name(7)).unlink()
     with Cache.open(tmp_path) as cache:
         report = verify_cache(cache)

@@ -22,6 +22,8 @@ from dflash.shards import (
 )
 from dflash.shards.codecs import dtype_name
 
+from tests.common.fake_cache import TINY_TARGET, write_fake_target
+
 
 def llm_like_layers(
     seq_len: int,
@@ -88,6 +90,9 @@ def make_cache(
         skipped=[{"row": r, "reason": why} for r, why in skipped],
     )
     save_manifest(path, manifest)
+    # target/ as extraction writes it first (a vocabulary above every id written below)
+    target = {**TINY_TARGET, "hidden_size": hidden, "head_dim": hidden // 2, "vocab_size": 8192}
+    write_fake_target(Path(path) / "target", target, seed)
     skip = {r for r, _ in skipped}
     rows = [r for r in range(len(lengths)) if r not in skip]
     written: dict[int, list[torch.Tensor]] = {}

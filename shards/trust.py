@@ -51,6 +51,21 @@ def check_manifest_for_reading(m: Manifest, source: str) -> None:
         raise ShardError(f"{source}: dtype {m.dtype!r} is not one of {sorted(DTYPES)}")
     if len(set(m.layers)) != len(m.layers):
         raise ShardError(f"{source}: 'layers' lists a layer twice: {m.layers}")
+    # The limits readers enforce come from these fields: a value that is present but not a count would
+    # silently lift a limit (ReadLimits ignores it) instead of refusing the cache.
+    for section, key, least in (
+        ("target", "vocab_size", 1),
+        ("target", "hidden_size", 1),
+        ("target", "num_hidden_layers", 1),
+        ("options", "max_len", 1),
+        ("dataset", "rows", 0),
+    ):
+        value = getattr(m, section).get(key)
+        if value is not None and (type(value) is not int or value < least):
+            raise ShardError(f"{source}: {section}.{key} is {value!r}, not an integer >= {least}")
+    width = m.target.get("hidden_size")
+    if width is not None and m.hidden_size and width != m.hidden_size:
+        raise ShardError(f"{source}: target.hidden_size {width} != hidden_size {m.hidden_size}")
     if not m.complete:
         return
     if not m.layers or m.hidden_size < 1:

@@ -145,6 +145,13 @@ def test_verify_decodes_every_frame(cache: Path, damage, problem: str) -> None:
         (lambda d: d.__setitem__("dtype", "int8"), "dtype 'int8' is not one of"),
         (lambda d: d.__setitem__("layers", [0, 1, 1]), "'layers' lists a layer twice"),
         (lambda d: d.__setitem__("version", True), "format version True is not supported"),
+        # Present but not counts: each would lift a limit readers enforce, or describe another cache.
+        (lambda d: d["target"].__setitem__("vocab_size", -1), "target.vocab_size is -1, not an integer >= 1"),
+        (lambda d: d["options"].__setitem__("max_len", "40"), "options.max_len is '40', not an integer >= 1"),
+        (lambda d: d["options"].__setitem__("max_len", 0), "options.max_len is 0, not an integer >= 1"),
+        (lambda d: d["target"].__setitem__("num_hidden_layers", -4), "target.num_hidden_layers is -4"),
+        (lambda d: d["dataset"].__setitem__("rows", "x"), "dataset.rows is 'x', not an integer >= 0"),
+        (lambda d: d["target"].__setitem__("hidden_size", 64), "target.hidden_size 64 != hidden_size 32"),
     ],
 )
 def test_loose_manifests_refused_in_one_line(cache: Path, capsys, edit, message: str) -> None:

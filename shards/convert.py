@@ -63,6 +63,26 @@ class ConvertConfig:
             raise ValueError(f"--threads must be >= 0 (0: one per core), got {self.threads}")
         if self.source.resolve() == self.out.resolve():
             raise ValueError(f"--out {self.out} is the source cache: convert writes a new cache beside it")
+        check_device(self.device)
+
+
+def check_device(device: str) -> torch.device:
+    """`--device` as a torch device: cpu, or a CUDA device torch can see; anything else is one line."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {device!r}: not a device; use cpu, cuda or cuda:N") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: only cpu and cuda are supported")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device!r}: torch sees no CUDA device; use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {device!r}: torch sees {torch.cuda.device_count()} CUDA device(s) (0.."
+                f"{torch.cuda.device_count() - 1})"
+            )
+    return parsed
 
 
 @dataclass(kw_only=True, slots=True)
@@ -217,7 +237,7 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
     """Convert (or resume converting) `config.source` into `config.out`; see the module docstring."""
     t0 = time.perf_counter()
     codec = get_codec(config.codec)
-    device = torch.device(config.device)
+    device = check_device(config.device)
     with Cache.open(config.source) as source:
         if codec == source.codec:
             raise ValueError(f"{config.source} is already stored with codec {config.codec!r}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,13 +18,15 @@ from typing import Any
 
 from dflash.shards.errors import ShardError
 from dflash.shards.layers import check_layer_ids
-from dflash.shards.safe_io import load_json
+from dflash.shards.safe_io import load_json, read_regular
 
 ON_CORRUPT_CHOICES = ("skip", "fail")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 ATTENTION_CHOICES = ("auto", "dense", "flex")  # see mask.choose_backend
 SLOT_WEIGHT_CHOICES = ("decay", "reach")  # see slot_weights.py
 REACH_FLOOR_GAMMA = 1.0  # `reach`'s floor decay when --gamma is not given (the CPU size's best fixed gamma)
+MAX_SEED = 2**32 - 1  # numpy's and torch's seeding both accept 0..2**32-1
+MAX_CONFIG_BYTES = 16 << 20  # a --config file is a few flags: anything bigger is not one
 
 
 def default_gamma(block_size: int) -> float:
@@ -168,6 +172,8 @@ class TrainConfig:
             raise ValueError(f"device={self.device!r}: choose one of {', '.join(DEVICE_CHOICES)}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention={self.attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed={self.seed!r}: --seed must be an integer in 0..{MAX_SEED}")
         for name in ("eval_every", "save_every", "log_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0 (0 disables it)")
@@ -241,9 +247,17 @@ def parse_layer_ids(value: Any) -> tuple[int, ...] | None:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """A JSON or TOML file of flat keys that mirror the flags (`token_budget` or `token-budget`)."""
+    """A JSON or TOML file of flat keys that mirror the flags (`token_budget` or `token-budget`); each
+    known key's value is checked against its field's type here, so a mistake names the key and the file."""
     path = Path(path)
-    text = path.read_text()
+    try:
+        raw = read_regular(path, MAX_CONFIG_BYTES, "--config")  # refuses /dev/zero, FIFOs, directories
+    except ShardError as exc:
+        raise ValueError(str(exc)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--config {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if path.suffix == ".toml":
         try:
             import tomllib
@@ -260,7 +274,74 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raise ValueError(str(exc)) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a table/object of flag names to values")
+    types_of = _field_types()
+    for key, value in data.items():
+        name = key.replace("-", "_") if isinstance(key, str) else key
+        if name in types_of:  # unknown keys are named by config_from_flat
+            data[key] = _check_type(value, types_of[name], f"--config {path}: {key}")
     return data
+
+
+def _field_types() -> dict[str, Any]:
+    """Every flat key -> its annotation, resolved (the module uses postponed annotations)."""
+    hints = typing.get_type_hints(TrainConfig)
+    for cls in _SECTIONS.values():
+        hints.update(typing.get_type_hints(cls))
+    return {name: hints[name] for name in flat_keys()}
+
+
+def _type_name(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return " or ".join(_type_name(a) for a in args)
+    if typing.get_origin(hint) is tuple:
+        return (
+            f"a list of {'integers' if args[0] is int else _type_name(args[0])} or a comma-separated string"
+        )
+    return {
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        type(None): "null",
+    }.get(hint, str(hint))
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    """`value` if it fits `hint` (ints become floats for float fields); else a ValueError naming `where`."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        for arm in typing.get_args(hint):
+            if arm is not type(None):
+                try:
+                    return _check_type(value, arm, where)
+                except ValueError:
+                    pass
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                return float(value)
+            except OverflowError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        if isinstance(value, str):
+            return value  # "1,9,17": parse_layer_ids reads it
+        if isinstance(value, (list, tuple)):
+            return [_check_type(v, item, where) for v in value]
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise ValueError(f"{where}={shown}: expected {_type_name(hint)}")
 
 
 # --- schedule ----------------------------------------------------------------------------------------

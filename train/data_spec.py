@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from dflash.shards import Cache, Sample
 from dflash.shards.errors import ShardError
-from dflash.shards.safe_io import load_json
+from dflash.shards.safe_io import load_json, read_regular
 
 from .blocks import PackedBatch, make_packed_batch
 from .config import TrainConfig
@@ -153,17 +153,33 @@ def read_sample(
         return exc if isinstance(exc, ShardError) else ShardError(f"row {ref.row}: {exc}")
 
 
+MAX_EVAL_ROWS_BYTES = 1 << 30  # a list of row ids: far more than any dataset needs, still bounded
+MAX_ROW_ID = 2**63 - 1  # row ids are int64 in every index
+
+
 def read_eval_rows(path: str | Path | None) -> frozenset[int]:
     """Row ids held out explicitly (`--eval-rows`): a JSON list or one integer per line."""
     if not path:
         return frozenset()
-    text = Path(path).read_text().strip()
+    try:
+        text = read_regular(path, MAX_EVAL_ROWS_BYTES, "--eval-rows").decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--eval-rows {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         rows = (
             load_json(text, f"--eval-rows {path}") if text.startswith("[") else [int(x) for x in text.split()]
         )
-        return frozenset(int(r) for r in rows)
+        if not isinstance(rows, list):
+            raise TypeError
+        bad = [r for r in rows if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= MAX_ROW_ID]
     except (ValueError, TypeError, ShardError):
         raise ValueError(
             f"--eval-rows {path}: expected a JSON list of row ids or one integer per line"
         ) from None
+    if bad:
+        shown = repr(bad[0])
+        raise ValueError(
+            f"--eval-rows {path}: row id {shown if len(shown) <= 40 else shown[:37] + '...'} is not an "
+            f"integer in 0..{MAX_ROW_ID}"
+        )
+    return frozenset(rows)

@@ -148,8 +148,8 @@ class TokenDataset:
 
     def fingerprint(self) -> dict:
         """What identifies this dataset for the cache manifest. `tokens_xxh3` hashes every row's token ids and
-        loss mask (xxh3 runs at memory speed: ~1 s for 10^9 tokens), so a resume or `verify --dataset` on a
-        dataset re-tokenized to the same lengths and file sizes is caught, not mixed into the cache."""
+        loss mask (~1 s per 10^8 tokens on one core, once per extraction start), so a resume or `verify
+        --dataset` on a dataset re-tokenized to the same lengths and file sizes is caught, not mixed in."""
         lengths = np.ascontiguousarray(self.list_lengths, dtype="<i8")
         return {
             "form": self.form,

@@ -22,7 +22,7 @@ from dflash.shards import (
 )
 from dflash.shards.codecs import dtype_name
 
-from tests.common.fake_cache import TINY_TARGET, write_fake_target
+from .fake_cache import TINY_TARGET, write_fake_target
 
 
 def llm_like_layers(

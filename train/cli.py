@@ -151,13 +151,17 @@ def export_main(argv: Sequence[str]) -> int:
     args = _export_parser().parse_args(argv)
     source = ckpt.find_checkpoint(args.run_dir, step=args.step, best=args.best)
     claim_out_dir(args.out, "export")  # the --out rule of every dflash command
-    meta = ckpt.read_json(source / "meta.json")
+    meta = ckpt.read_meta(
+        source, require=("drafter",)
+    )  # checked: a damaged meta.json is one line naming the field
     drafter = dict(meta["drafter"])
-    drafter["target_layer_ids"] = tuple(drafter["target_layer_ids"])
-    config = DrafterConfig(**drafter)
-    weights = ckpt.read_tensors(source / "model.safetensors")
-    model = DFlashDrafter(config)
-    model.load_state_dict(weights)
+    try:
+        drafter["target_layer_ids"] = tuple(drafter["target_layer_ids"])
+        config = DrafterConfig(**drafter)
+        model = DFlashDrafter(config)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{source / 'meta.json'}: drafter settings do not build a drafter ({exc})") from None
+    ckpt.load_weights(model, source / "model.safetensors")
     out = export_drafter(model, config, Path(args.out))
     print(f"exported step {meta['step']} of {args.run_dir} to {out}")
     return 0

@@ -133,8 +133,10 @@ class OptimConfig:
         for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"{name}={beta}: must be in [0, 1)")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip={self.grad_clip}: must be >= 0 (0 disables clipping)")
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise ValueError(
+                f"grad_clip={self.grad_clip}: must be a finite number >= 0 (0 disables clipping)"
+            )
         _positive("grad_accum", self.grad_accum)
         _positive("epochs", self.epochs)
         if self.max_steps is not None:

@@ -33,12 +33,24 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    records = []
-    for line in path.read_text().splitlines():
+    records, dropped = [], []
+    lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
         try:
-            records.append(load_json(line, str(path)))
+            record = load_json(line, str(path))  # bad UTF-8 too is a ShardError here
         except ShardError:
-            continue
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step", 0), int):
+            records.append(record)
+        else:
+            dropped.append(i + 1)
+    if dropped and dropped != [len(lines)]:  # more than a torn last line
+        log.warning(
+            "%s: ignored %d line(s) that are not JSON records, first line %d (damaged file?)",
+            path,
+            len(dropped),
+            dropped[0],
+        )
     return records
 
 

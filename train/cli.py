@@ -145,13 +145,14 @@ def build_config(argv: Sequence[str]) -> Any:
 
 def export_main(argv: Sequence[str]) -> int:
     from . import checkpoint as ckpt
+    from .checkpoint_files import read_meta
     from .export import export_drafter
     from .model import DFlashDrafter, DrafterConfig
 
     args = _export_parser().parse_args(argv)
     source = ckpt.find_checkpoint(args.run_dir, step=args.step, best=args.best)
     claim_out_dir(args.out, "export")  # the --out rule of every dflash command
-    meta = ckpt.read_meta(
+    meta = read_meta(
         source, require=("drafter",)
     )  # checked: a damaged meta.json is one line naming the field
     drafter = dict(meta["drafter"])

@@ -27,6 +27,7 @@ from dflash.shards import Cache
 from dflash.shards.atomic import atomic_write_json
 
 from . import checkpoint as ckpt
+from .checkpoint_files import LOADER_FIELDS, CheckpointError, check_loader_state, read_meta
 from .compiled import speed_up
 from .config import TrainConfig, estimate_total_steps, lr_at
 from .data_spec import DataSpec
@@ -153,17 +154,17 @@ class Trainer:
             if self.cfg.resume:
                 log.warning("--resume: %s holds no checkpoint yet; starting from scratch", self.run_dir)
             return False
-        meta = ckpt.read_meta(found, require=("config", "total_steps", "cache_provenance"))
+        meta = read_meta(found, require=("config", "total_steps", "cache_provenance"))
         ckpt.check_resume(meta, self.cfg.to_flat(), self.cache.manifest)
         meta, loader_state = ckpt.load_checkpoint(  # every file checked: a damaged one is one line
             found, model=self.model, optimizer=self.optimizer, param_names=self.param_names
         )
-        ckpt.check_loader_state(loader_state, found / "loader.json", require=ckpt.LOADER_FIELDS)
+        check_loader_state(loader_state, found / "loader.json", require=LOADER_FIELDS)
         self.loader.load_state_dict(loader_state)
         self.step, self.total_steps, self.best_tau = meta["step"], meta["total_steps"], meta.get("best_tau")
         if self.reach is not None:
             if meta.get("slot_weights") is None:
-                raise ckpt.CheckpointError(f"{found / 'meta.json'}: missing field 'slot_weights'")
+                raise CheckpointError(f"{found / 'meta.json'}: missing field 'slot_weights'")
             self.reach.load_state_dict(meta["slot_weights"], is_main=self.info.is_main)
         return True
 

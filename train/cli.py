@@ -152,9 +152,8 @@ def export_main(argv: Sequence[str]) -> int:
     args = _export_parser().parse_args(argv)
     source = ckpt.find_checkpoint(args.run_dir, step=args.step, best=args.best)
     claim_out_dir(args.out, "export")  # the --out rule of every dflash command
-    meta = read_meta(
-        source, require=("drafter",)
-    )  # checked: a damaged meta.json is one line naming the field
+    # Checked: a damaged meta.json is one line naming the field.
+    meta = read_meta(source, require=("drafter",))
     drafter = dict(meta["drafter"])
     try:
         drafter["target_layer_ids"] = tuple(drafter["target_layer_ids"])

@@ -41,7 +41,8 @@ def compile_backward_now() -> contextlib.AbstractContextManager[object]:
     """Make torch.compile lower the backward while the forward compiles. By default the backward is lowered
     lazily, at the first backward() of each new (often dynamic-shape) graph, where a lowering error can
     neither be caught nor fall back; forced, it surfaces in the forward call."""
-    config = torch._functorch.config
+    import torch._functorch.config as config  # not loaded by `import torch`: an attribute access can fail
+
     if hasattr(config, "force_non_lazy_backward_lowering"):
         return config.patch(force_non_lazy_backward_lowering=True)
     return contextlib.nullcontext()

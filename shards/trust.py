@@ -106,7 +106,7 @@ def check_shard_layout(
             ("codec", codec, m.codec),
             ("layers", layers, list(m.layers)),
             ("dtype", dtype, m.dtype),
-            ("hidden_size", hidden, m.hidden_size if m.hidden_size else hidden),
+            ("hidden_size", hidden, m.hidden_size or hidden),  # 0: an incomplete cache's, not yet known
         )
         if got != want
     ]

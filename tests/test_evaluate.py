@@ -50,14 +50,19 @@ def _walk_anchor_by_anchor(model, frozen, sample, spec) -> list[int]:
     return decode_walk(accepted_at, sample.loss_mask)
 
 
-@torch.no_grad()
-def test_walk_over_several_samples_equals_each_block_drafted_alone(cache_dir: Path) -> None:
+def _first_eval_batch(cache_dir: Path) -> tuple:
+    """spec, frozen target, drafter and the samples of the first evaluation batch."""
     spec = _spec()
     frozen = load_frozen_target(cache_dir, dtype=torch.float32)
-    model = _model(frozen)
     with Cache.open(cache_dir) as cache:
         refs = build_eval_set(cache, spec).batches[0]
         samples = [cache.shard(r.shard).read(r.index, spec.layer_ids) for r in refs]
+    return spec, frozen, _model(frozen), samples
+
+
+@torch.no_grad()
+def test_walk_over_several_samples_equals_each_block_drafted_alone(cache_dir: Path) -> None:
+    spec, frozen, model, samples = _first_eval_batch(cache_dir)
     assert len(samples) >= 3
     batched = evaluate_mod._walk_batch(model, frozen, samples, spec, device=torch.device("cpu"))
     expected = [a for s in samples for a in _walk_anchor_by_anchor(model, frozen, s, spec)]
@@ -67,12 +72,7 @@ def test_walk_over_several_samples_equals_each_block_drafted_alone(cache_dir: Pa
 
 @torch.no_grad()
 def test_a_flex_failure_in_the_walk_leaves_training_on_flex(cache_dir: Path, monkeypatch) -> None:
-    spec = _spec()
-    frozen = load_frozen_target(cache_dir, dtype=torch.float32)
-    model = _model(frozen)
-    with Cache.open(cache_dir) as cache:
-        refs = build_eval_set(cache, spec).batches[0]
-        samples = [cache.shard(r.shard).read(r.index, spec.layer_ids) for r in refs]
+    spec, frozen, model, samples = _first_eval_batch(cache_dir)
     expected = [a for s in samples for a in _walk_anchor_by_anchor(model, frozen, s, spec)]
     monkeypatch.setattr(mask_module, "_flex_failures", {})
     # As on a GPU with large walk packs: "auto" picks FlexAttention until it fails where it runs.

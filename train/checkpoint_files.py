@@ -132,9 +132,7 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-    except (SafetensorError, ValueError, RuntimeError, OSError) as exc:
-        if isinstance(exc, OSError) and not isinstance(exc, SafetensorError):
-            raise
+    except (SafetensorError, ValueError, RuntimeError) as exc:  # an OSError (I/O) propagates as such
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CheckpointError(
             f"{path}: not a readable safetensors file ({detail}); damaged checkpoint?"

@@ -6,11 +6,11 @@
 Time on one H200 (BENCHMARKS.md): target 140 s, data 61 s (`--unpack` a packed target and data to skip both),
 extraction 48 s (fp8) / 76 s (lossless), side by side, then the runs side by side (each codec's as soon as its
 cache is complete; --quick's two at 1500 steps, ~2.3 epochs: 552 s from scratch to the table; the recipe's
-measure is the full size's 4500) and their evaluations.
+measure is the full size's 6000) and their evaluations.
     python bench/bench_quality.py --size ci --device cpu     # seconds: every phase, tiny (CI runs this)
     python bench/bench_quality.py --size cpu --device cpu    # the development box: a real but small signal
 
-Longer than one call of a rationed machine (`--size full`: six 4500-step runs side by side train ~16 min):
+Longer than one call of a rationed machine (`--size full`: six 6000-step runs side by side train ~21 min):
 start it detached (`setsid nohup python bench/bench_quality.py ... > W/bench.log 2>&1 &`) and read each run's
 `W/runs/*/metrics.jsonl` from later calls while the machine is still held. The first codec's first seed
 evaluates along the way (`eval_points`), the other runs at their end; `--train-args "--eval-every 1500"` makes
@@ -118,7 +118,7 @@ def phase_target(work: Path, size: Size, device: str, seed: int) -> tuple[dict[s
     else:
         info = train_target(size.target, tokenizer, train_files, target, device, seed)
     info["corpus"] = {"files": corpus["files"], "bytes": corpus["bytes"], "train_tokens": sum(corpus["train"]),
-                      "heldout_tokens": sum(corpus["heldout"])}  # fmt: skip
+                      "heldout_tokens": sum(corpus["heldout"]), "sha256": corpus.get("sha256")}  # fmt: skip
     done.write_text(json.dumps(info, indent=1) + "\n")  # later calls need neither the corpus nor its tokens
     return info, tokenizer, train_files, held_files
 
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     print(f"target: {info['params'] / 1e6:.1f}M params, LM loss {info['first_loss']:.2f} -> {info['final_loss']:.2f} "
           f"({info['train_tokens'] / 1e6:.1f}M tokens, {info['seconds']:.0f} s); data: {meta['rows']} rows, "
-          f"{meta['tokens'] / 1e6:.2f}M tokens")  # fmt: skip
+          f"{meta['tokens'] / 1e6:.2f}M tokens; corpus sha256 {str(info['corpus'].get('sha256'))[:16]}")  # fmt: skip
     if good:
         print_table(report)
     return 0 if len(good) == len(runs) else 1

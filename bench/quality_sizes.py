@@ -158,15 +158,16 @@ SIZES: dict[str, Size] = {
         parallel_runs=8,
     ),
 }
-# 4500 steps (~6.9 epochs): on a 4500-step schedule the quick size's drafter walked 1.52x prompt lookup at
-# step 3375, where 3000 steps end at 1.44x (one seed each, BENCHMARKS.md); several calls of one H200. The
-# first codec's first seed evaluates every 1500 steps.
+# 6000 steps (~9.2 epochs): on one target instance, three seeds each, a 4500-step schedule ended at 1.49x
+# prompt lookup and a 6000-step one at 1.54x (every seed above 1.5x), while `--slot-weights reach` at 4500
+# steps walked 1.48x (BENCHMARKS.md); several calls of one H200 (six runs side by side: ~21 minutes, scaled
+# from six 4500-step ones' 950 s). The first codec's first seed evaluates every 1500 steps.
 SIZES["full"] = replace(
     SIZES["quick"],
     seeds=3,
     fractions=(0.25, 0.5, 1.0),
     codecs=("lossless", "fp8", "q4"),
-    drafter=replace(SIZES["quick"].drafter, steps=4500, eval_points=3),
+    drafter=replace(SIZES["quick"].drafter, steps=6000, eval_points=4),
 )
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec_base import Codec, compressor, count_masked, zstd_decompress_exact
+from .codec_base import Codec, count_masked, zstd_decompress_exact, zstd_frame_of
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 _QUANT_CHUNK = 1 << 24  # elements per step of the eager quantizer off the CPU (a 64 MiB float32 temporary)
@@ -179,11 +179,7 @@ class Fp8Codec(Codec):
             raise ValueError(
                 f"malformed Fp8Block: q {x.q.dtype} {tuple(x.q.shape)}, scale {tuple(x.scale.shape)}"
             )
-        scale = x.scale.detach().cpu().float().contiguous().numpy().astype("<f4", copy=False)
-        q = x.q.detach().cpu().contiguous().numpy()
-        # One zstd frame over scale || q without concatenating them first (saves an S*H copy).
-        cobj = compressor(self.level).compressobj(size=scale.nbytes + q.nbytes)
-        return cobj.compress(scale.tobytes()) + cobj.compress(memoryview(q).cast("B")) + cobj.flush()
+        return zstd_frame_of([x.scale.float(), x.q], self.level)
 
     def decode_block(
         self, buf: bytes | memoryview, shape: tuple[int, int], rows: int | None = None

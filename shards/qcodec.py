@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .codec_base import Codec, compressor, count_nonfinite, zstd_decompress_exact
+from .codec_base import Codec, count_nonfinite, zstd_decompress_exact, zstd_frame_of
 from .codecs import register_codec
 from .fp8 import Fp8Block
 
@@ -293,15 +293,8 @@ class QCodec(Codec):
                 f"{tuple(x.token_scales.shape)}, channel scales {x.channel_scales.dtype} "
                 f"{tuple(x.channel_scales.shape)}"
             )
-        parts = [
-            x.token_scales.detach().cpu().float().contiguous().numpy().astype("<f4", copy=False),
-            x.channel_scales.detach().cpu().contiguous().numpy(),
-            x.group_scales.detach().cpu().contiguous().numpy(),
-            x.codes.detach().cpu().contiguous().numpy(),
-        ]
-        # One zstd frame over the four parts without concatenating them first.
-        cobj = compressor(self.level).compressobj(size=sum(p.nbytes for p in parts))
-        return b"".join([*(cobj.compress(memoryview(p).cast("B")) for p in parts), cobj.flush()])
+        parts = [x.token_scales.float(), x.channel_scales, x.group_scales, x.codes]
+        return zstd_frame_of(parts, self.level)
 
     def decode_block(
         self, buf: bytes | memoryview, shape: tuple[int, int], rows: int | None = None

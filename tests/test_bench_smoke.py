@@ -21,6 +21,7 @@ RUNS = {
     "writer": ["bench/bench_writer.py", "--gb", "0.02", "--unit-mb", "8", "--sample-mb", "2"],
     "convert": ["bench/bench_convert.py", "--tiny"],
     "codecs": ["bench/bench_codecs.py", "--quick"],
+    "gil": ["bench/bench_gil.py", "--tokens", "64", "--hidden", "256", "--seconds", "0.05", "--rounds", "1"],
     "compile": ["bench/bench_compile.py", "--backend", "aot_eager"],
     "verify": ["bench/bench_verify.py", "--tiny"],
     # a codec named twice runs twice (the order check); --profile prints the last run's top ops

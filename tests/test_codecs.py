@@ -209,3 +209,65 @@ def test_corrupt_fp8_frame_raises() -> None:
         codec.decode(frame, (8, 17), "bfloat16")
     with pytest.raises(CorruptFrame, match="fp8 frame"):
         codec.decode(b"\x00" * 20, (8, 16), "bfloat16")
+
+
+_PART_DTYPES = {"float32": torch.float32, "uint8": torch.uint8, "int8": torch.int8}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), min_size=1, max_size=4),
+    first_float=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_zstd_frame_of_is_the_parts_little_endian_bytes_in_order(
+    shapes: list[tuple[int, int]], first_float: bool, seed: int
+) -> None:
+    from dflash.shards.codec_base import zstd_decompress_exact, zstd_frame_of
+
+    rng = np.random.default_rng(seed)
+    parts = []
+    for i, shape in enumerate(shapes):
+        name = "float32" if first_float and i == 0 else ("uint8", "int8")[i % 2]
+        bits = rng.integers(0, 256, size=(*shape, _PART_DTYPES[name].itemsize), dtype=np.uint8)
+        parts.append(torch.from_numpy(bits.view(name).reshape(shape)))
+    parts[-1] = parts[-1].t()  # a strided view: the frame holds its values in logical order
+    expected = b"".join(
+        p.contiguous().numpy().astype("<f4" if p.dtype == torch.float32 else p.numpy().dtype).tobytes()
+        for p in parts
+    )
+    frame = zstd_frame_of(parts)
+    assert bytes(zstd_decompress_exact(frame, len(expected), "frame")) == expected
+
+
+@pytest.mark.parametrize("name", ["fp8", "q4"])
+def test_quantized_frames_compress_in_one_call(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The extractor encodes beside the thread that launches the forward: a streaming compressor takes the
+    GIL back for every ~128 KB of output (bench/bench_gil.py), so a quantized frame is one `compress` call."""
+    from dflash.shards import codec_base
+
+    calls: list[str] = []
+
+    class Spy:
+        def __init__(self, real: object) -> None:
+            self.real = real
+
+        def compress(self, data: object) -> bytes:
+            calls.append("compress")
+            return self.real.compress(data)
+
+        def compressobj(self, *args: object, **kwargs: object) -> object:
+            calls.append("compressobj")
+            return self.real.compressobj(*args, **kwargs)
+
+    real = codec_base.compressor
+    monkeypatch.setattr(codec_base, "compressor", lambda level: Spy(real(level)))
+    codec = get_codec(name)
+    x = llm_like_layers(300, 512, 1, seed=5)[0]
+    block = codec.batch_sample(codec.quantize_batch(x[None], [300]), [300], 0, 0)[0]
+    frame = codec.encode(block)
+    assert calls == ["compress"]
+    monkeypatch.setattr(codec_base, "compressor", real)
+    assert torch.equal(
+        codec.decode(frame, (300, 512), "bfloat16"), codec.decode(codec.encode(x), (300, 512), "bfloat16")
+    )

@@ -127,3 +127,17 @@ def test_interrupted_saves_are_cleaned_or_restored(tmp_path: Path) -> None:
     assert len(actions) == 2
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [10]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000010"]
+
+
+def test_weights_missing_a_parameter_are_refused_before_any_is_loaded(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    model, _, _ = _model_and_optimizer(seed=0)
+    donor, _, _ = _model_and_optimizer(seed=1)
+    weights = {k: v.clone() for k, v in donor.state_dict().items() if k != "2.bias"}
+    path = tmp_path / "model.safetensors"
+    save_file(weights, str(path))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ckpt.CheckpointError, match=r"missing \['2\.bias'\]"):
+        ckpt.load_weights(model, path)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # not half loaded

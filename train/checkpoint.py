@@ -153,11 +153,12 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
             )
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise CheckpointError(f"{path}: {name} holds non-finite values (damaged checkpoint?)")
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
+    missing, unexpected = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
+    if missing or unexpected:  # checked before loading: a refused file leaves the model as it was
         raise CheckpointError(
             f"{path}: weights do not match the drafter: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
+    model.load_state_dict(weights)
 
 
 # --- resume checks -------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Order of a run (each rank): read the target's config, open + validate the dataset, plan batches and
 work units (deterministic), take this rank's lock; rank 0 checks or writes the manifest (refusing a
-cache made with other settings), checks free disk space, copies the frozen target parts and marks
-the cache ready; other ranks wait for that. Each rank then extracts its uncommitted units
+cache made with other settings), checks free disk space, copies the frozen target parts (or keeps
+those the manifest's digests vouch for) and records their digests, and marks the cache ready; other ranks wait for that. Each rank then extracts its uncommitted units
 (u % world_size == rank) through the stages of `stages.py`. Rank 0 finally waits for the others
 (taking over the units of ranks that died), and finalizes the manifest when every unit is committed.
 """
@@ -258,10 +258,21 @@ def _open_cache(s: _Setup, out: Path, locks: RunLocks) -> bool:
         remove_stale_temp_files(out)
         committed = drop_unreadable_shards(out, committed_units(out))
         _check_disk(s, committed)
-        check_or_write_manifest(out, s.manifest, write=True)
-        write_target_parts(out, s.config.target)
+        current = check_or_write_manifest(out, s.manifest, write=True)
+    _target_parts(s, out, current)
     locks.mark_ready()
-    return current is not None and current.complete
+    return current.complete
+
+
+def _target_parts(s: _Setup, out: Path, current: Manifest) -> None:
+    """CACHE/target/ kept when the manifest's digests vouch for it, else written from the target, and the
+    digests of what it holds recorded in the manifest on disk and in the one `_finalize` writes. A complete
+    cache too: re-running its command is how target/ damaged since extraction is repaired."""
+    files = write_target_parts(out, s.config.target, recorded=current.target_files)
+    if files != current.target_files:  # `current` may be `s.manifest` itself (a new cache)
+        current.target_files = files
+        save_manifest(out, current)
+    s.manifest.target_files = files
 
 
 def run_extraction(

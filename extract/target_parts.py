@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from dflash.shards.errors import ShardError
@@ -91,9 +92,13 @@ def read_frozen(
 
 
 def write_target_parts(
-    cache_dir: str | Path, target: str | Path, dtype: torch.dtype = torch.bfloat16
-) -> Path:
-    """Write and check CACHE/target/ from the checkpoint; one for the same config.json is kept as is."""
+    cache_dir: str | Path,
+    target: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    recorded: Mapping[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Write and check CACHE/target/ from the checkpoint, returning its files' digests; one for the same
+    config.json that matches `recorded` (the manifest's `target_files`) is kept as is."""
     target = Path(target)
     return write_parts(
         cache_dir,
@@ -101,4 +106,5 @@ def write_target_parts(
         frozen=lambda: read_frozen(target, dtype),
         extra_files={name: target / name for name in EXTRA_FILES if (target / name).is_file()},
         source=str(target),
+        recorded=recorded,
     )

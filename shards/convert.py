@@ -14,7 +14,9 @@ for the quantizing codecs, like the extractor). Resumable and checked like an ex
 - committed shards are kept (after their footer and index checksum read back and their rows agree
   with the source), temp files of a killed run are removed and their shards redone;
 - shards are published (fsync, rename) by the writer's Committer while the next one is encoded;
-- NEW/target/ (config, frozen embed/lm_head, tokenizer) is copied whole or not at all;
+- NEW/target/ (config, frozen embed/lm_head, tokenizer) is copied whole or not at all, from a source whose
+  files match its manifest's digests (`target_files`, recorded from the source's files when it has none),
+  and the copy is held to the same digests;
 - the complete manifest, listing every shard, is written last.
 """
 
@@ -42,6 +44,7 @@ from .manifest import Manifest, ShardInfo, load_manifest, refuse_other_settings,
 from .outdir import claim_out_dir
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
 from .reader import Cache, ShardReader
+from .target_files import check_target_files, digest_files, target_file_problems
 from .target_parts import check_target_parts, target_dir
 from .threads import torch_threads
 from .writer import Committer, EncodedSample, ShardMeta, ShardWriter, encode_sample
@@ -129,10 +132,11 @@ def _start(out: Path, expected: Manifest) -> None:
     save_manifest(out, expected)
 
 
-def _copy_target(source: Path, out: Path) -> None:
-    """CACHE/target/ -> NEW/target/ whole or not at all, then checked as extraction checks it."""
+def _copy_target(source: Path, out: Path, files: dict[str, Any]) -> None:
+    """CACHE/target/ -> NEW/target/ whole or not at all (again when a copy left by an earlier run differs
+    from `files`, the digests the new manifest records), then checked as extraction checks it."""
     final = target_dir(out)
-    if not final.is_dir():
+    if not final.is_dir() or target_file_problems(final, files):
         tmp = fresh_temp_dir(final)  # a link planted under the temp name is removed, never followed
         try:
             shutil.copytree(target_dir(source), tmp, dirs_exist_ok=True)
@@ -140,6 +144,7 @@ def _copy_target(source: Path, out: Path) -> None:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    check_target_files(out, files)  # the copy read back: a read or write error is named here
     check_target_parts(out)
 
 
@@ -241,8 +246,12 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
     with Cache.open(config.source) as source:
         if codec == source.codec:
             raise ValueError(f"{config.source} is already stored with codec {config.codec!r}")
-        check_target_parts(config.source)  # training needs them: refuse a source without before any work
+        # Training needs them: refuse a source without them, or unlike its record, before any work.
+        check_target_files(config.source, source.manifest.target_files)
+        check_target_parts(config.source)
         expected = converted_manifest(source.manifest, codec)
+        if not expected.target_files:  # a source from before digests: record what is copied
+            expected.target_files = digest_files(target_dir(config.source))
         claim_out_dir(config.out, "cache")  # the --out rule, before anything is created or deleted
         lock = FileLock(config.out / LOCK_NAME)
         if not lock.acquire():
@@ -252,7 +261,7 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
             shard_dir = config.out / SHARDS_DIR
             shard_dir.mkdir(exist_ok=True)
             remove_stale_temp_files(config.out)
-            _copy_target(config.source, config.out)
+            _copy_target(config.source, config.out, expected.target_files)
             threads = config.threads or max(1, os.cpu_count() or 1)
             converted, raw = 0, 0
             # The encode threads are the parallelism: torch's intra-op threads on top of them oversubscribe

@@ -20,6 +20,7 @@ from .errors import ManifestMismatch, ShardError
 from .paths import MANIFEST_NAME
 from .safe_io import load_json, read_regular
 from .target_config import decoder_config
+from .target_files import parse_target_files
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 1
@@ -77,6 +78,8 @@ class Manifest:
     version: int = FORMAT_VERSION
     complete: bool = False
     target: dict[str, Any] = field(default_factory=dict)
+    # What CACHE/target/ held when written (`target_files.py`): not provenance, so resumes never compare it.
+    target_files: dict[str, Any] = field(default_factory=dict)
     layers: list[int] = field(default_factory=list)
     dtype: str = "bfloat16"
     hidden_size: int = 0
@@ -122,6 +125,7 @@ class Manifest:
         for name in ("target", "codec", "dataset", "options", "plan"):
             if not isinstance(getattr(m, name), dict):
                 raise ShardError(f"{source}: {name!r} must be an object, got {getattr(m, name)!r:.200}")
+        m.target_files = parse_target_files(m.target_files, source)
         if type(m.complete) is not bool or type(m.hidden_size) is not int or not isinstance(m.dtype, str):
             raise ShardError(f"{source}: 'complete' must be a bool, 'hidden_size' an int, 'dtype' a string")
         if not isinstance(m.skipped, list) or not all(

@@ -12,7 +12,9 @@ read as they are.
 
 One writer (`write_target_parts`, extraction) and one reader (`read_target_parts`, training): the
 directory is built beside its final name and swapped in whole, then checked by the reader's own
-checks (`check_target_parts`), so a bad part fails the extraction before its first batch.
+checks (`check_target_parts`), so a bad part fails the extraction before its first batch. The writer
+returns each file's digest for the manifest (`target_files.py`), and keeps an existing directory only
+when those digests vouch for it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -33,6 +36,7 @@ from .errors import DiskFull, ShardError
 from .paths import TARGET_DIR
 from .safe_io import check_regular
 from .target_config import CONFIG_NAME, TargetConfig, read_target_config
+from .target_files import digest_files, target_file_problems
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +84,23 @@ def write_target_parts(
     frozen: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
     extra_files: Mapping[str, Path],
     source: str,
-) -> Path:
-    """Write CACHE/target/ and check it; one that already holds the same config.json is kept as it is (and
+    recorded: Mapping[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Write CACHE/target/, check it and return its files' digests (the manifest's `target_files`). One
+    that holds the same config.json and matches `recorded` (the manifest's digests) is kept as it is (and
     checked), so `frozen()` -> (embed, lm_head or None when tied) reads the weights only when they are
-    written. Every failure is one line naming the file."""
+    written; one nothing vouches for (no digests: an older cache, or a crash before they were recorded)
+    or that differs from them (damaged since) is written again. Every failure is one line naming the file."""
     final = target_dir(cache_dir)
     if (final / CONFIG_NAME).is_file() and (final / FROZEN_NAME).is_file():
-        if (final / CONFIG_NAME).read_bytes() == config_bytes:
-            check_target_parts(cache_dir)
-            return final
-        log.warning("%s holds another target's parts; replacing them", final)
+        if (final / CONFIG_NAME).read_bytes() != config_bytes:
+            log.warning("%s holds another target's parts; replacing them", final)
+        elif recorded:
+            damaged = target_file_problems(final, recorded)
+            if not damaged:
+                check_target_parts(cache_dir)
+                return dict(recorded)
+            log.warning("%s: %s differ from the manifest's record; rewriting them", final, ", ".join(damaged))
     unknown = sorted(set(extra_files) - set(EXTRA_FILES))
     if unknown:
         raise ValueError(f"not target part names: {unknown} (known: {', '.join(EXTRA_FILES)})")
@@ -108,7 +119,7 @@ def write_target_parts(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     check_target_parts(cache_dir)
-    return final
+    return digest_files(final)  # read back from disk: the record is of what is there
 
 
 def _save_frozen(tensors: dict[str, torch.Tensor], path: Path, final: Path, source: str) -> None:

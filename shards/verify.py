@@ -5,7 +5,8 @@ loss mask whose ones match the index's `supervised`, frame sizes matching the in
 hidden states free of NaN/inf (counted from the exponent bits, without building the float output).
 `quick=True` only re-hashes the stored bytes (what `verify` did before decoding existed). Either way each
 shard's header must match the manifest (codec, layers, dtype, width: `Cache.shard` checks it, as for
-training) and `target/` must hold what training reads (config, embedding, lm_head headers).
+training) and `target/` must hold what training reads (config, embedding, lm_head headers), byte for byte
+what its writer recorded (`target_files`, when the manifest has them), with JSON objects in its JSON files.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from .layout import checksum
 from .manifest import ShardInfo
 from .paths import SHARDS_DIR
 from .reader import Cache, ShardReader
-from .target_parts import check_target_parts
+from .target_config import CONFIG_NAME
+from .target_files import json_problems, target_file_problems
+from .target_parts import FROZEN_NAME, check_target_parts, target_dir
 from .trust import ReadLimits
 
 _SHOW = 20  # rows listed per problem line; the count is always exact
@@ -89,6 +92,22 @@ def _dataset_differences(recorded: Mapping[str, Any], given: Mapping[str, Any]) 
         for key, text in what.items()
         if key in recorded and recorded[key] != given.get(key)
     ]
+
+
+def _target_problems(cache: Cache) -> list[str]:
+    """What training reads besides the shards: every file of target/ against the manifest's digests, the
+    JSON files as objects, config, embedding and lm_head headers (values at training). One line per file:
+    a file that is not the one written is not checked further."""
+    directory = target_dir(cache.path)
+    problems = target_file_problems(directory, cache.manifest.target_files)
+    if directory.is_dir():
+        problems |= {k: v for k, v in json_problems(directory).items() if k not in problems}
+    if not {CONFIG_NAME, FROZEN_NAME} & problems.keys():
+        try:
+            check_target_parts(cache.path)
+        except (ShardError, OSError, ValueError) as exc:
+            return [*problems.values(), str(exc)]
+    return list(problems.values())
 
 
 def _check_sample(reader: ShardReader, i: int, limits: ReadLimits) -> tuple[list[str], int]:
@@ -162,10 +181,7 @@ def verify_cache(
     if dataset is not None:
         dataset_rows = int(dataset["rows"]) if dataset_rows is None else dataset_rows
         report.problems.extend(_dataset_differences(m.dataset, dataset))
-    try:  # what training reads besides the shards: config, embedding and lm_head (headers; values at training)
-        check_target_parts(cache.path)
-    except (ShardError, OSError, ValueError) as exc:
-        report.problems.append(str(exc))
+    report.problems.extend(_target_problems(cache))
     if not m.complete:
         report.problems.append(
             f"{cache.path}: cache is incomplete (manifest complete=false): extraction unfinished"

@@ -152,6 +152,11 @@ def test_verify_decodes_every_frame(cache: Path, damage, problem: str) -> None:
         (lambda d: d["target"].__setitem__("num_hidden_layers", -4), "target.num_hidden_layers is -4"),
         (lambda d: d["dataset"].__setitem__("rows", "x"), "dataset.rows is 'x', not an integer >= 0"),
         (lambda d: d["target"].__setitem__("hidden_size", 64), "target.hidden_size 64 != hidden_size 32"),
+        # Names of target/ files are opened under target/: a path in one would read outside the cache.
+        (
+            lambda d: d.__setitem__("target_files", {"/etc/passwd": {"bytes": 1}}),
+            "target_files name '/etc/passwd' is not a plain file name",
+        ),
     ],
 )
 def test_loose_manifests_refused_in_one_line(cache: Path, capsys, edit, message: str) -> None:

@@ -20,6 +20,7 @@ from dflash.shards import (
     target_info,
     verify_cache,
 )
+from dflash.shards.manifest import refuse_other_settings
 
 
 def _manifest(**kw) -> Manifest:
@@ -68,6 +69,22 @@ def test_manifest_json_round_trip_and_atomic_save(tmp_path: Path) -> None:
         ('{"format": "dflash-cache", "version": 1, "codec": "fp8"}', "'codec' must be an object"),
         ('{"format": "dflash-cache", "version": 1, "skipped": [3]}', "'skipped' must be a list"),
         ('{"format": "dflash-cache", "version": 1, "complete": "yes"}', "'complete' must be a bool"),
+        (
+            '{"format": "dflash-cache", "version": 1, "target_files": null}',
+            "'target_files' must be an object",
+        ),
+        (
+            '{"format": "dflash-cache", "version": 1, "target_files": {"../manifest.json": {"bytes": 1}}}',
+            "target_files name '../manifest.json' is not a plain file name",
+        ),
+        (
+            '{"format": "dflash-cache", "version": 1, "target_files": {"a.json": {"bytes": -1}}}',
+            "target_files.a.json must be",
+        ),
+        (
+            '{"format": "dflash-cache", "version": 1, "target_files": {"a": {"bytes": 1, "xxh3_128": "x"}}}',
+            "target_files.a must be",
+        ),
     ],
 )
 def test_bad_manifests_are_refused_with_the_path(tmp_path: Path, content: str, message: str) -> None:
@@ -75,6 +92,18 @@ def test_bad_manifests_are_refused_with_the_path(tmp_path: Path, content: str, m
     with pytest.raises(ShardError, match=message) as info:
         load_manifest(tmp_path)
     assert str(tmp_path / "manifest.json") in str(info.value)
+
+
+def test_target_files_round_trip_and_are_not_provenance(tmp_path: Path) -> None:
+    """The digests of target/ describe files, not the hidden states: a resume or a training run never
+    compares them (a cache that gains them, or whose target/ is rewritten, is the same cache)."""
+    files = {"frozen.safetensors": {"bytes": 3, "xxh3_128": "0" * 32}, "config.json": {"bytes": 2}}
+    m = _manifest(target_files=files)
+    save_manifest(tmp_path, m)
+    assert load_manifest(tmp_path).target_files == files
+    assert json.loads((tmp_path / "manifest.json").read_text())["target_files"] == files
+    assert diff_manifests(m, _manifest()) == []
+    refuse_other_settings(m, _manifest(), "resume")
 
 
 def test_missing_manifest_says_not_a_cache(tmp_path: Path) -> None:

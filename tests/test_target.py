@@ -175,7 +175,9 @@ def test_frozen_parts_from_checkpoint(tmp_path, kind: str, tie: bool) -> None:
     prefix = "model.language_model." if kind == "qwen3_5" else "model."
     stored_embed = stored[prefix + "embed_tokens.weight"]
     stored_head = stored_embed if tie else stored["lm_head.weight"]
-    parts = write_target_parts(tmp_path / "cache", path)
+    files = write_target_parts(tmp_path / "cache", path)
+    parts = tmp_path / "cache" / "target"
+    assert sorted(files) == sorted(p.name for p in parts.iterdir())  # each file's digest, for the manifest
     assert (parts / "config.json").read_bytes() == (path / "config.json").read_bytes()
     assert json.loads((parts / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
     assert (parts / "tokenizer.json").is_file()
@@ -187,8 +189,10 @@ def test_frozen_parts_from_checkpoint(tmp_path, kind: str, tie: bool) -> None:
     assert read.embed.dtype == torch.bfloat16 and read.tied == tie
     assert torch.equal(read.embed, stored_embed.to(torch.bfloat16))
     assert torch.equal(read.lm_head, stored_head.to(torch.bfloat16))
-    # Idempotent: a second call keeps the same directory.
-    assert write_target_parts(tmp_path / "cache", path) == parts
+    # Idempotent: a second call given the digests keeps the directory (the weights are not read again).
+    inode = (parts / FROZEN_NAME).stat().st_ino
+    assert write_target_parts(tmp_path / "cache", path, recorded=files) == files
+    assert (parts / FROZEN_NAME).stat().st_ino == inode
     assert not list((tmp_path / "cache").glob(".target.tmp-*"))
 
 

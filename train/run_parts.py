@@ -1,8 +1,10 @@
 """Everything a run needs before its drafter exists, checked against each other (`Trainer.build`'s first half).
 
     open_run(cfg, clock) -> RunParts(info, cache, frozen, drafter_cfg, spec)
-        process group and device; the --out rule, interrupted saves cleaned, seeds; the cache; its frozen
-        target parts and the layers and drafter shape they imply, checked against the cache
+        process group and device; the --out rule, interrupted saves cleaned, seeds; the cache; its target/
+        files against the manifest's digests (`shards.target_files`: zeroed bytes in the frozen weights are
+        finite, no later check sees them); its frozen target parts and the layers and drafter shape they
+        imply, checked against the cache
         (`cache_checks.check_cache`, `guards.check_trainable`); the frozen weights copied to the device as
         stored, NaN/inf-counted there (`guards.check_frozen_finite`), then cast there to the compute dtype.
 Each piece is timed into the launch's `StartupClock` (`startup.py`). On failure the cache is closed.
@@ -20,6 +22,7 @@ import torch
 from dflash.shards import Cache
 from dflash.shards.layers import resolve_layer_ids
 from dflash.shards.outdir import claim_out_dir
+from dflash.shards.target_files import check_target_files
 
 from . import checkpoint as ckpt
 from .cache_checks import check_cache
@@ -73,6 +76,8 @@ def open_run(cfg: TrainConfig, clock: StartupClock) -> RunParts:
     with clock.phase("cache_open"):
         cache = Cache.open(cfg.cache)
     try:
+        with clock.phase("target_files"):  # every byte as extraction wrote it, before any is read or trusted
+            check_target_files(cfg.cache, cache.manifest.target_files)
         with clock.phase("frozen_read"):  # headers and config: the weights stay mmap'd, unread
             frozen = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
             layer_ids = resolve_layer_ids(

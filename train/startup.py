@@ -9,6 +9,7 @@ Phases, in the order they run (`PHASES`; one not reached reads 0):
     process_group     torchrun's process group, the CUDA device (its context)
     run_dir           --out claimed, interrupted saves cleaned, the checkpoint check, seeds (ranks meet here)
     cache_open        the manifest read and checked
+    target_files      CACHE/target/'s files hashed and compared with the manifest's digests (reads them whole)
     frozen_read       frozen target headers and config, layers, drafter config, cache checks (no weight data)
     frozen_to_device  embed/lm_head copied to the device in their stored dtype, then cast there
     frozen_check      their NaN/inf count where they are (on the CPU this reads the mmap'd file first)
@@ -34,6 +35,7 @@ PHASES = (
     "process_group",
     "run_dir",
     "cache_open",
+    "target_files",
     "frozen_read",
     "frozen_to_device",
     "frozen_check",

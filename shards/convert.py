@@ -35,13 +35,14 @@ from typing import Any
 import torch
 
 from .atomic import commit_dir, fresh_temp_dir
+from .cache import Cache
 from .codecs import Codec, codec_names, get_codec
 from .errors import ShardError
 from .locks import FileLock, remove_stale_temp_files
 from .manifest import Manifest, ShardInfo, load_manifest, refuse_other_settings, save_manifest
 from .outdir import claim_out_dir
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
-from .reader import Cache, ShardReader
+from .reader import ShardReader
 from .target_parts import check_target_parts, target_dir
 from .threads import torch_threads
 from .writer import Committer, EncodedSample, ShardMeta, ShardWriter, encode_sample

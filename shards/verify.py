@@ -17,12 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from .cache import Cache
 from .codecs import zstd_decompress_exact
 from .errors import CorruptFrame, ShardError
 from .layout import checksum
 from .manifest import ShardInfo
 from .paths import SHARDS_DIR
-from .reader import Cache, ShardReader
+from .reader import ShardReader
 from .target_parts import check_target_parts
 from .trust import ReadLimits
 

@@ -21,10 +21,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from dflash.shards.cache import Cache
 from dflash.shards.cli import run_main
 from dflash.shards.codecs import codec_names
 from dflash.shards.convert import ConvertConfig, convert_cache
-from dflash.shards.reader import Cache
 from dflash.shards.summary import cache_info, cache_stats, sample_report, shard_list
 from dflash.shards.verify import verify_cache
 

@@ -1,5 +1,6 @@
-"""A cache directory as readers see it: the manifest's shards, opened lazily, checked on first open, shared
-by threads (`Cache.open`). One shard file at a time is `reader.ShardReader`'s business."""
+"""A cache directory as readers see it: the manifest's shards, opened lazily, checked on first open (layout,
+identity, each row stored once), shared by threads (`Cache.open`). One shard file at a time is
+`reader.ShardReader`'s business."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .codecs import Codec, codec_from_dict
-from .errors import ShardError
+from .errors import DuplicateRows, ShardError
 from .manifest import Manifest, ShardInfo, load_manifest
 from .paths import SHARDS_DIR
 from .reader import Sample, ShardReader
+from .row_ledger import RowLedger, suspect_repeated_rows
 from .trust import ReadLimits, check_manifest_for_reading, check_shard_identity, check_shard_layout
 
 
@@ -39,6 +41,7 @@ class Cache:
         shard_names: list[str],
         from_manifest: bool,
         max_open_shards: int,
+        unique_rows: bool = True,
     ):
         if max_open_shards < 1:
             raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
@@ -55,20 +58,36 @@ class Cache:
         # still holding it lets go (reference counting), so eviction never breaks a read in flight.
         self._readers: OrderedDict[str, ShardReader] = OrderedDict()
         self._rows: dict[int, tuple[str, int]] | None = None
+        self._ledger = RowLedger(str(path)) if unique_rows else None
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike, require_complete: bool = True, *, max_open_shards: int = 64
+        cls,
+        path: str | os.PathLike,
+        require_complete: bool = True,
+        *,
+        max_open_shards: int = 64,
+        unique_rows: bool = True,
     ) -> Cache:
         """Complete caches list shards from the manifest (no directory scan, no footer read until used);
         `require_complete=False` lists the committed `shards/shard-*.dfs` instead (resume, verify).
-        At most `max_open_shards` readers (file descriptors + parsed indexes) stay cached."""
+        At most `max_open_shards` readers (file descriptors + parsed indexes) stay cached.
+        `unique_rows` (readers that plan over the cache) refuses a row stored twice (`DuplicateRows`): here
+        when the manifest already suggests one (`suspect_repeated_rows`), else when the shard holding the
+        second copy is opened; `verify` and the inspecting commands pass False and report it themselves."""
         path = Path(path)
         manifest = load_manifest(path)
         check_manifest_for_reading(manifest, f"{path}/manifest.json")
         if manifest.complete:
             names = [s.name for s in manifest.shards]
-            return cls(path, manifest, names, True, max_open_shards)
+            cache = cls(path, manifest, names, True, max_open_shards, unique_rows)
+            if unique_rows and suspect_repeated_rows(manifest):
+                try:
+                    cache.check_rows_once()
+                except BaseException:
+                    cache.close()
+                    raise
+            return cache
         if require_complete:
             raise ShardError(
                 f"{path}: cache is incomplete (extraction running or interrupted): resume the extraction, "
@@ -76,7 +95,7 @@ class Cache:
             )
         shard_dir = path / SHARDS_DIR
         names = sorted(p.name for p in shard_dir.glob("shard-*.dfs")) if shard_dir.is_dir() else []
-        return cls(path, manifest, names, False, max_open_shards)
+        return cls(path, manifest, names, False, max_open_shards, unique_rows)
 
     @property
     def layers(self) -> list[int]:
@@ -107,6 +126,8 @@ class Cache:
                                reader.dtype, reader.hidden_size)  # fmt: skip
             if self._from_manifest:
                 check_shard_identity(reader.path, self._listed[name], reader.info())
+            if self._ledger is not None:
+                self._ledger.add(name, reader.rows)
         except ShardError:
             reader.close()
             raise
@@ -116,6 +137,18 @@ class Cache:
             while len(self._readers) > self._max_open:
                 self._readers.popitem(last=False)
             return reader
+
+    def check_rows_once(self) -> None:
+        """Read every shard's index now (no sample data) so that a row stored twice is refused before any work
+        (`DuplicateRows`); a shard that cannot be read is left to whoever reads it (its own error, or
+        `--on-corrupt skip`)."""
+        for name in self.shard_names:
+            try:
+                self.shard(name)
+            except DuplicateRows:
+                raise
+            except (ShardError, OSError):
+                continue
 
     def entries(self) -> list[CacheEntry]:
         """Every sample (row, length, supervised, shard, index) from the shard indexes; reads all footers."""

@@ -8,6 +8,8 @@ for the quantizing codecs, like the extractor). Resumable and checked like an ex
 
 - NEW follows the `--out` rule of every dflash command (`outdir.claim_out_dir`: new, empty or a dflash
   cache, never inside a cache), claimed before anything is created or deleted in it;
+- every source index (not the data) is read before NEW is touched: a row stored in two shards is refused
+  (`Cache.check_rows_once`), as training refuses it, instead of being written twice;
 - NEW/.lock (fcntl, opened without following links) keeps a second converter out; NEW/manifest.json (complete=false) is written first
   with the source's provenance and the new codec, and a re-run whose settings differ is refused naming
   the field (`codec.name: 'q4' != 'fp8'`, or `options.converted_from...` for another source cache);
@@ -243,6 +245,7 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
         if codec == source.codec:
             raise ValueError(f"{config.source} is already stored with codec {config.codec!r}")
         check_target_parts(config.source)  # training needs them: refuse a source without before any work
+        source.check_rows_once()  # every index (not the data) read now: a row in two shards refused up front
         expected = converted_manifest(source.manifest, codec)
         claim_out_dir(config.out, "cache")  # the --out rule, before anything is created or deleted
         lock = FileLock(config.out / LOCK_NAME)

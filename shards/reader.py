@@ -83,6 +83,7 @@ class ShardReader:
         self.hidden_size: int = idx.hidden_size
         self.meta = idx.meta
         self.entries: list[Entry] = idx.entries
+        self.rows = np.fromiter((e.row for e in idx.entries), np.int64, len(idx.entries))  # dataset row ids
         self._layer_pos = {layer: k for k, layer in enumerate(self.layers)}
         self._frame_names = frame_names(self.layers)
 

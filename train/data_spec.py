@@ -3,7 +3,8 @@
 `DataSpec` is the one set of settings both are configured from (built once per run by `for_run`), and
 the reading helpers below apply the run's `--on-corrupt` policy the same way for both: `fail` raises
 one line naming the shard or sample, `skip` hands the error back for the caller to count. A shard
-whose identity disagrees with the manifest (`Cache.shard`) is an unreadable shard like any other.
+whose identity disagrees with the manifest (`Cache.shard`) is an unreadable shard like any other. A row
+stored twice (`DuplicateRows`) is not one shard's damage: it stops the run under either policy.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from dflash.shards import Cache, Sample
-from dflash.shards.errors import ShardError
+from dflash.shards.errors import DuplicateRows, ShardError
 from dflash.shards.safe_io import load_json, read_regular
 
 from .blocks import PackedBatch, make_packed_batch
@@ -122,7 +123,9 @@ def shard_entries(cache: Cache, name: str, on_corrupt: str, bad_shards: dict[str
     """A shard's index for planning. An unreadable shard (or one that is not the manifest's) raises under
     `fail`; under `skip` it is recorded in `bad_shards` (logged once) and contributes no samples."""
     try:
-        entries = cache.shard(name).entries
+        reader = cache.shard(name)
+    except DuplicateRows:
+        raise  # not damage to one shard: skipping the one that repeats a row would drop its other rows too
     except (ShardError, OSError) as exc:
         if on_corrupt != "skip":
             raise ShardError(f"{exc} (pass --on-corrupt skip to go on without this shard)") from None
@@ -130,8 +133,9 @@ def shard_entries(cache: Cache, name: str, on_corrupt: str, bad_shards: dict[str
             bad_shards[name] = str(exc)
             log.warning("skipping shard %s: %s", name, exc)
         return _NO_ENTRIES
+    entries = reader.entries
     return ShardEntries(
-        rows=np.fromiter((e.row for e in entries), np.int64, len(entries)),
+        rows=reader.rows,
         lengths=np.fromiter((e.length for e in entries), np.int64, len(entries)),
         supervised=np.fromiter((e.supervised for e in entries), np.int64, len(entries)),
     )
@@ -147,6 +151,8 @@ def read_sample(
         return cache.shard(ref.shard).read(
             ref.index, spec.layer_ids, dequantize=dequantize, max_tokens=spec.max_length
         )
+    except DuplicateRows:
+        raise
     except (ShardError, OSError) as exc:
         if spec.on_corrupt != "skip":
             raise ShardError(f"{exc} (pass --on-corrupt skip to drop corrupt samples)") from None

@@ -248,6 +248,15 @@ def test_row_in_two_shards_refused_before_step_one_whatever_the_policy(
         assert not metrics.exists() or not metrics.read_text().strip()  # either way before the first step
 
 
+def test_layout_mismatch_names_its_cause_not_a_skip(cache: Path, capsys) -> None:
+    """A manifest that no longer describes its shards: `--on-corrupt skip` would drop every shard."""
+    resign_manifest(cache, lambda d: d.update(dtype="float16"))
+    line = _refused(capsys, tiny_train_argv(cache, cache.parent / "run", "--max-steps", "2", *QUIET))
+    assert "its header disagrees with the manifest (dtype 'bfloat16' != manifest 'float16')" in line
+    assert "this shard or manifest.json was replaced" in line and "re-extract" in line
+    assert f"dflash-shards verify {cache}" in line and "--on-corrupt" not in line
+
+
 # --- item 8: an empty cache ----------------------------------------------------------------------------------------
 
 

@@ -3,8 +3,10 @@
 `DataSpec` is the one set of settings both are configured from (built once per run by `for_run`), and
 the reading helpers below apply the run's `--on-corrupt` policy the same way for both: `fail` raises
 one line naming the shard or sample, `skip` hands the error back for the caller to count. A shard
-whose identity disagrees with the manifest (`Cache.shard`) is an unreadable shard like any other. A row
-stored twice (`DuplicateRows`) is not one shard's damage: it stops the run under either policy.
+whose identity disagrees with the manifest (`Cache.shard`) is an unreadable shard like any other. Two
+refusals are not one shard's damage: a row stored twice (`DuplicateRows`) stops the run under either
+policy, and a header that contradicts the manifest (`LayoutMismatch`: mixed caches) is not offered the
+skip, which would drop every shard when the manifest is the file that changed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from dflash.shards import Cache, Sample
-from dflash.shards.errors import DuplicateRows, ShardError
+from dflash.shards.errors import DuplicateRows, LayoutMismatch, ShardError
 from dflash.shards.safe_io import load_json, read_regular
 
 from .blocks import PackedBatch, make_packed_batch
@@ -128,7 +130,7 @@ def shard_entries(cache: Cache, name: str, on_corrupt: str, bad_shards: dict[str
         raise  # not damage to one shard: skipping the one that repeats a row would drop its other rows too
     except (ShardError, OSError) as exc:
         if on_corrupt != "skip":
-            raise ShardError(f"{exc} (pass --on-corrupt skip to go on without this shard)") from None
+            raise _with_hint(exc, "pass --on-corrupt skip to go on without this shard") from None
         if name not in bad_shards:
             bad_shards[name] = str(exc)
             log.warning("skipping shard %s: %s", name, exc)
@@ -139,6 +141,12 @@ def shard_entries(cache: Cache, name: str, on_corrupt: str, bad_shards: dict[str
         lengths=np.fromiter((e.length for e in entries), np.int64, len(entries)),
         supervised=np.fromiter((e.supervised for e in entries), np.int64, len(entries)),
     )
+
+
+def _with_hint(exc: BaseException, hint: str) -> BaseException:
+    """`exc` naming the --on-corrupt way around it, unless it is a layout mismatch: files of two caches mixed,
+    where skipping would drop every shard when the manifest is the file that changed."""
+    return exc if isinstance(exc, LayoutMismatch) else ShardError(f"{exc} ({hint})")
 
 
 def read_sample(
@@ -155,7 +163,7 @@ def read_sample(
         raise
     except (ShardError, OSError) as exc:
         if spec.on_corrupt != "skip":
-            raise ShardError(f"{exc} (pass --on-corrupt skip to drop corrupt samples)") from None
+            raise _with_hint(exc, "pass --on-corrupt skip to drop corrupt samples") from None
         return exc if isinstance(exc, ShardError) else ShardError(f"row {ref.row}: {exc}")
 
 

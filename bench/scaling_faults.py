@@ -17,7 +17,7 @@ from typing import Any
 from dflash.extract.cli import config_from_args
 from dflash.extract.prepare import prepare
 from dflash.extract.units import committed_units
-from dflash.shards.reader import SHARDS_DIR
+from dflash.shards.paths import SHARDS_DIR
 from dflash.tools.shards_cli import main as shards_main
 from dflash.train import checkpoint as ckpt
 from dflash.train.metrics import read_metrics

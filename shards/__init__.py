@@ -10,8 +10,8 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 # Exports load on first use (PEP 562) so that light paths (errors, CLI helpers, the dry run) never pay for
 # importing torch through the codecs.
 _EXPORTS = {
-    "Cache": "reader",
-    "CacheEntry": "reader",
+    "Cache": "cache",
+    "CacheEntry": "cache",
     "Codec": "codecs",
     "CorruptFrame": "errors",
     "DiskFull": "errors",

@@ -8,6 +8,8 @@ for the quantizing codecs, like the extractor). Resumable and checked like an ex
 
 - NEW follows the `--out` rule of every dflash command (`outdir.claim_out_dir`: new, empty or a dflash
   cache, never inside a cache), claimed before anything is created or deleted in it;
+- every source index (not the data) is read before NEW is touched: a row stored in two shards is refused
+  (`Cache.check_rows_once`), as training refuses it, instead of being written twice;
 - NEW/.lock (fcntl, opened without following links) keeps a second converter out; NEW/manifest.json (complete=false) is written first
   with the source's provenance and the new codec, and a re-run whose settings differ is refused naming
   the field (`codec.name: 'q4' != 'fp8'`, or `options.converted_from...` for another source cache);
@@ -37,13 +39,14 @@ from typing import Any
 import torch
 
 from .atomic import commit_dir, fresh_temp_dir
+from .cache import Cache
 from .codecs import Codec, codec_names, get_codec
 from .errors import ShardError
 from .locks import FileLock, remove_stale_temp_files
 from .manifest import Manifest, ShardInfo, load_manifest, refuse_other_settings, save_manifest
 from .outdir import claim_out_dir
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
-from .reader import Cache, ShardReader
+from .reader import ShardReader
 from .target_files import check_target_files, digest_files, target_file_problems
 from .target_parts import check_target_parts, target_dir
 from .threads import torch_threads
@@ -249,6 +252,7 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
         # Training needs them: refuse a source without them, or unlike its record, before any work.
         check_target_files(config.source, source.manifest.target_files)
         check_target_parts(config.source)
+        source.check_rows_once()  # every index (not the data) read now: a row in two shards refused up front
         expected = converted_manifest(source.manifest, codec)
         if not expected.target_files:  # a source from before digests: record what is copied
             expected.target_files = digest_files(target_dir(config.source))

@@ -24,3 +24,13 @@ class ManifestMismatch(ShardError):
 
 class DiskFull(ShardError):
     """The filesystem ran out of space; everything committed so far is intact."""
+
+
+class LayoutMismatch(ShardError):
+    """A shard's header (codec, layers, dtype, width) contradicts the manifest: files of two caches mixed, or
+    one of them replaced. Not damage of one shard: skipping would drop every shard when the manifest is wrong."""
+
+
+class DuplicateRows(ShardError):
+    """A dataset row is stored more than once (two shards, or twice in one): a reader planning over the cache
+    would use it twice. Never skipped: which copy is the right one is not for a reader to guess."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .reader import Cache
+from .cache import Cache
 
 _BF16_BYTES = 2
 

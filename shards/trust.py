@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .codecs import DTYPES, codec_from_dict
-from .errors import ShardError
+from .errors import LayoutMismatch, ShardError
 from .manifest import Manifest, ShardInfo
 
 
@@ -110,5 +110,9 @@ def check_shard_layout(
         )
         if got != want
     ]
-    if wrong:
-        raise ShardError(f"{path}: its header disagrees with the manifest ({'; '.join(wrong)})")
+    if wrong:  # not damage to this one shard: when the manifest is what changed, every shard disagrees
+        raise LayoutMismatch(
+            f"{path}: its header disagrees with the manifest ({'; '.join(wrong)}): this shard or manifest.json "
+            "was replaced, or files of two caches were mixed; restore the cache's own files or re-extract "
+            f"(`dflash-shards verify {path.parent.parent}` lists every shard that disagrees)"
+        )

@@ -18,12 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from .cache import Cache
 from .codecs import zstd_decompress_exact
 from .errors import CorruptFrame, ShardError
 from .layout import checksum
 from .manifest import ShardInfo
 from .paths import SHARDS_DIR
-from .reader import Cache, ShardReader
+from .reader import ShardReader
 from .target_config import CONFIG_NAME
 from .target_files import json_problems, target_file_problems
 from .target_parts import FROZEN_NAME, check_target_parts, target_dir

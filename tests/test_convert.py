@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from common.fake_cache import TINY_TARGET, write_fake_cache
+from common.hostile import copy_shard, one_error_line, repeat_row
 from common.synth import make_cache
 from dflash.shards import Cache, ManifestMismatch, ShardError, get_codec, load_manifest, verify_cache
 from dflash.shards.convert import ConvertConfig, convert_cache, sample_groups
@@ -173,6 +174,27 @@ def test_cli_converts_and_reports_bad_input_in_one_line(
     assert (
         shards_main(["convert", str(tmp_path / "nope"), "--codec", "q4", "--out", str(tmp_path / "y")]) == 2
     )
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda c: copy_shard(c, 0, 3), "row 0 is stored in both shard-000000.dfs and shard-000003.dfs"),
+        (lambda c: repeat_row(c, 2, 0, 1), "row 1 is stored in both shard-000000.dfs and shard-000002.dfs"),
+    ],
+)
+def test_a_row_stored_twice_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture, damage, message: str
+) -> None:
+    """Convert wrote such a row twice; every index is read up front (not the data), so the refusal comes
+    before --out is created even when the manifest's counts add up (the relabelled row)."""
+    src = _source(tmp_path / "src", 9, per_shard=3)
+    damage(src)
+    out = tmp_path / "out"
+    assert shards_main(["convert", str(src), "--codec", "fp8", "--out", str(out)]) == 2
+    line = one_error_line(capsys.readouterr().err, "dflash-shards")
+    assert message in line and f"dflash-shards verify {src}" in line
+    assert not out.exists()
 
 
 @given(

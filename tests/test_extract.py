@@ -16,10 +16,10 @@ import torch
 from dflash.extract import pipeline
 from dflash.extract.pipeline import run_extraction
 from dflash.extract.units import CacheLocked, assign_units
+from dflash.shards.cache import Cache
 from dflash.shards.errors import DiskFull, ManifestMismatch
 from dflash.shards.manifest import load_manifest
 from dflash.shards.outdir import claim_out_dir
-from dflash.shards.reader import Cache
 from dflash.shards.verify import verify_cache
 from dflash.shards.writer import ShardWriter
 from safetensors import safe_open

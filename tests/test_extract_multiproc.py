@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from dflash.extract.units import LOCK_NAME, CacheLocked, RankInfo, RunLocks
+from dflash.shards.cache import Cache
 from dflash.shards.manifest import load_manifest
-from dflash.shards.reader import Cache
 from dflash.shards.verify import verify_cache
 
 from tests.common.extract import Launcher, reference_setup, shard_bytes, tiny_rows

@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+from dflash.shards.cache import Cache
 from dflash.shards.manifest import load_manifest
-from dflash.shards.reader import Cache, ShardReader
+from dflash.shards.reader import ShardReader
 from dflash.shards.verify import verify_cache
 
 from tests.common.extract import Launcher, reference_setup, shard_bytes, tiny_rows

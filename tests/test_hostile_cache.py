@@ -19,13 +19,16 @@ from common.hostile import (
     add_shard,
     bomb_sample,
     cli,
+    copy_shard,
     one_error_line,
+    repeat_row,
     resign_manifest,
     rewrite_index,
     run_measured,
     tree_snapshot,
 )
 from dflash.shards import Cache, ShardError, encode_sample, get_codec, verify_cache
+from dflash.shards.errors import DuplicateRows
 from dflash.shards.layout import FOOTER
 from dflash.tools.shards_cli import main as shards_main
 from hypothesis import HealthCheck, given, settings
@@ -162,6 +165,43 @@ def test_verify_decodes_every_frame(cache: Path, damage, problem: str) -> None:
 def test_loose_manifests_refused_in_one_line(cache: Path, capsys, edit, message: str) -> None:
     resign_manifest(cache, edit)
     assert message in _refused(capsys, "info", str(cache))
+
+
+# --- a row stored twice: readers that plan over the cache refuse it, verify lists it --------------------------
+
+
+@pytest.mark.parametrize(
+    ("damage", "message", "listed"),
+    [
+        (  # a shard copied under a second name and listed: refused as the cache opens (the manifest betrays it)
+            lambda c: copy_shard(c, 1, 3),
+            "row 4 is stored in both shard-000001.dfs and shard-000003.dfs (4 rows of shard-000003.dfs are stored "
+            "twice: 4, 5, 6, 7)",
+            "row 4 stored 2 times (in shard-000001.dfs, shard-000003.dfs)",
+        ),
+        (  # the manifest's counts add up: refused when the second shard's index is read
+            lambda c: repeat_row(c, 2, 0, 5),
+            "row 5 is stored in both shard-000001.dfs and shard-000002.dfs: a reader would use it twice",
+            "row 5 stored 2 times (in shard-000001.dfs, shard-000002.dfs)",
+        ),
+        (
+            lambda c: repeat_row(c, 0, 1, 0),
+            "row 0 is stored twice in shard-000000.dfs: a reader would use it twice",
+            "row 0 stored 2 times (in shard-000000.dfs)",
+        ),
+    ],
+)
+def test_row_stored_twice_is_refused_by_readers_and_listed_by_verify(
+    cache: Path, capsys, damage, message: str, listed: str
+) -> None:
+    damage(cache)
+    with pytest.raises(DuplicateRows) as refused, Cache.open(cache) as c:
+        c.entries()
+    assert message in str(refused.value) and f"dflash-shards verify {cache}" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert shards_main(["verify", str(cache)]) == 1  # the inspecting commands read it and say what is wrong
+    assert f"  {listed}" in capsys.readouterr().out.splitlines()
+    assert shards_main(["ls", str(cache)]) == 0 and shards_main(["info", str(cache)]) == 0
 
 
 # --- item 7: tracebacks and hangs ------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,13 +11,17 @@ import torch
 from common.datasets import make_rows, write_arrow
 from common.fake_cache import write_fake_cache
 from common.hostile import one_error_line
+from common.targets import write_tokenizer
 from common.train_cli import tiny_train_argv
 from dflash.extract.dataset import DatasetError, open_dataset
 from dflash.shards.convert import ConvertConfig
 from dflash.tools.shards_cli import main as shards_main
+from dflash.tools.tiny import build_tiny_tokenizer, padded_vocab_size
 from dflash.train import cli as train_cli
 from dflash.train.config import load_config_file
 from dflash.train.data_spec import read_eval_rows
+from dflash.train.frozen import load_frozen_target
+from dflash.train.mask_token import check_mask_token_id, default_mask_token_id
 
 QUIET = ("--no-tensorboard", "--no-plots", "--no-progress", "--max-steps", "1", "--eval-every", "0")
 
@@ -203,3 +208,51 @@ def test_verify_with_a_truncated_dataset_is_one_line(
     assert shards_main(["verify", str(cache), "--dataset", str(path.parent)]) == 2
     line = one_error_line(capsys.readouterr().err, "dflash-shards")
     assert str(path) in line and "damaged or truncated" in line
+
+
+# --- 10: --mask-token-id on a token the tokenizer uses for text ------------------------------------------------
+
+
+def test_mask_token_id_of_a_text_token_is_refused_naming_the_token(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cache: Path
+) -> None:
+    line = _train_error(capsys, cache, tmp_path / "run", "--mask-token-id", "55")
+    assert "mask_token_id 55 (--mask-token-id) is the text token 't55' of" in line
+    assert "leave it unset for the first unused row, 90" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_mask_token_ids_left_to_choose_pass(tmp_path: Path, cache: Path) -> None:
+    """Rows past the tokenizer and special tokens pass; a tokenizer that fills the table leaves its special
+    tokens: added ones marked special, or pieces tokenizer_config.json names (a non-special added token such
+    as `<think>` is text)."""
+    assert load_frozen_target(cache).mask_token_id == 90 and load_frozen_target(cache, mask_token_id=95)
+    full = Path(shutil.copytree(cache, tmp_path / "full"))
+    vocab = {"model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(94)}, "unk_token": "t0"}}
+    added = [
+        {"id": 94, "content": "<|mask|>", "special": True},
+        {"id": 95, "content": "<think>", "special": False},
+    ]
+    (full / "target" / "tokenizer.json").write_text(json.dumps({**vocab, "added_tokens": added}))
+    (full / "target" / "tokenizer_config.json").write_text(json.dumps({"pad_token": {"content": "t3"}}))
+    assert load_frozen_target(full, mask_token_id=94).mask_token_id == 94
+    assert load_frozen_target(full, mask_token_id=3).mask_token_id == 3
+    with pytest.raises(ValueError, match=r"is the text token '<think>' .*: .*pick a special token"):
+        load_frozen_target(full, mask_token_id=95)
+
+
+def test_default_mask_token_id_of_the_test_targets_is_no_text_token(tmp_path: Path) -> None:
+    """The tiny targets' tokenizer (tests/common/targets.py; the fake cache's is checked above) and the built-in
+    one (byte-level BPE; its special tokens also sit in the BPE vocabulary)."""
+    (tmp_path / "targets").mkdir()
+    write_tokenizer(tmp_path / "targets")
+    assert default_mask_token_id(tmp_path / "targets", 256) == 255
+    check_mask_token_id(tmp_path / "targets", 255, 256)
+    tokenizer = build_tiny_tokenizer(tmp_path, vocab_size=300)
+    rows = padded_vocab_size(len(tokenizer))
+    default = default_mask_token_id(tmp_path, rows)
+    assert default == len(tokenizer)
+    for token_id in (default, rows - 1, tokenizer.convert_tokens_to_ids("<|im_end|>")):
+        check_mask_token_id(tmp_path, token_id, rows)
+    with pytest.raises(ValueError, match=r"mask_token_id 5 \(--mask-token-id\) is the text token"):
+        check_mask_token_id(tmp_path, 5, rows)

@@ -16,7 +16,9 @@ from common.hostile import (
     add_shard,
     bomb_sample,
     cli,
+    copy_shard,
     one_error_line,
+    repeat_row,
     resign_manifest,
     run_measured,
     tree_snapshot,
@@ -220,6 +222,39 @@ def test_untrustworthy_cache_refused_before_step_one(cache: Path, capsys, damage
     assert message in _refused(capsys, argv)
     assert not (cache.parent / "run" / "checkpoints").exists()
     assert not (cache.parent / "run" / "metrics.jsonl").exists()  # refused before the first step
+
+
+@pytest.mark.parametrize("damage", ["copied shard", "relabelled row"])
+def test_row_in_two_shards_refused_before_step_one_whatever_the_policy(
+    cache: Path, capsys, damage: str
+) -> None:
+    """Trained twice per epoch before; `--on-corrupt skip` must not drop a shard over it either."""
+    if damage == "copied shard":
+        copy_shard(cache, 1, 3)
+        row, shards = 10, ("shard-000001.dfs", "shard-000003.dfs")
+    else:
+        repeat_row(cache, 2, 0, 15)
+        row, shards = 15, ("shard-000001.dfs", "shard-000002.dfs")
+    for policy in ("fail", "skip"):
+        out = cache.parent / f"run-{policy}"
+        line = _refused(
+            capsys, tiny_train_argv(cache, out, "--max-steps", "2", "--on-corrupt", policy, *QUIET)
+        )
+        assert f"row {row} is stored in both" in line and all(name in line for name in shards), line
+        assert f"dflash-shards verify {cache}" in line
+        metrics = (
+            out / "metrics.jsonl"
+        )  # the copied shard refuses at open, the relabelled row at the first batch
+        assert not metrics.exists() or not metrics.read_text().strip()  # either way before the first step
+
+
+def test_layout_mismatch_names_its_cause_not_a_skip(cache: Path, capsys) -> None:
+    """A manifest that no longer describes its shards: `--on-corrupt skip` would drop every shard."""
+    resign_manifest(cache, lambda d: d.update(dtype="float16"))
+    line = _refused(capsys, tiny_train_argv(cache, cache.parent / "run", "--max-steps", "2", *QUIET))
+    assert "its header disagrees with the manifest (dtype 'bfloat16' != manifest 'float16')" in line
+    assert "this shard or manifest.json was replaced" in line and "re-extract" in line
+    assert f"dflash-shards verify {cache}" in line and "--on-corrupt" not in line
 
 
 # --- item 8: an empty cache ----------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from dflash.extract.cli import main as extract_main
+from dflash.shards.cache import Cache
 from dflash.shards.layers import default_layer_ids
-from dflash.shards.reader import Cache
 from dflash.tools.shards_cli import main as shards_main
 from dflash.tools.tiny import build_tiny_tokenizer
 from dflash.train import checkpoint as ckpt

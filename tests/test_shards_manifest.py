@@ -172,7 +172,7 @@ def test_verify_catches_duplicates_and_manifest_disagreements(tmp_path: Path) ->
     m.shards.append(ShardInfo(**{**m.shards[0].to_dict(), "name": shard_name(7)}))
     m.shards[1].tokens += 1
     save_manifest(tmp_path, m)
-    with Cache.open(tmp_path) as cache:
+    with Cache.open(tmp_path, unique_rows=False) as cache:  # as `dflash-shards verify` opens it
         report = verify_cache(cache, dataset_rows=3)
     assert not report.ok
     assert "row 0 stored 2 times (in shard-000000.dfs, shard-000007.dfs)" in report.problems
@@ -180,7 +180,7 @@ def test_verify_catches_duplicates_and_manifest_disagreements(tmp_path: Path) ->
     # A manifest whose layout the shards' headers contradict: no shard is read through it (training neither).
     m.codec, m.layers = {"name": "fp8", "level": 1}, [1, 99]
     save_manifest(tmp_path, m)
-    with Cache.open(tmp_path) as cache:
+    with Cache.open(tmp_path, unique_rows=False) as cache:
         report = verify_cache(cache, dataset_rows=3)
         with pytest.raises(ShardError, match="header disagrees with the manifest"):
             cache.read(0)
@@ -189,7 +189,7 @@ def test_verify_catches_duplicates_and_manifest_disagreements(tmp_path: Path) ->
         assert "its header disagrees with the manifest" in line
         assert "codec {'name': 'lossless'" in line and "layers [1, 3] != manifest [1, 99]" in line
     (shards / shard_name(7)).unlink()
-    with Cache.open(tmp_path) as cache:
+    with Cache.open(tmp_path, unique_rows=False) as cache:
         report = verify_cache(cache)
     assert report.bad_shards[shard_name(7)] == [
         f"{shards / shard_name(7)}: listed in the manifest but missing"

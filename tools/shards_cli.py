@@ -21,10 +21,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from dflash.shards.cache import Cache
 from dflash.shards.cli import run_main
 from dflash.shards.codecs import codec_names
 from dflash.shards.convert import ConvertConfig, convert_cache
-from dflash.shards.reader import Cache
 from dflash.shards.summary import cache_info, cache_stats, sample_report, shard_list
 from dflash.shards.verify import verify_cache
 
@@ -148,7 +148,8 @@ def _main(argv: Sequence[str] | None) -> int:
         raise ValueError(f"--sample must be >= 1, got {args.sample}")
     if args.command == "convert":
         return _convert(args)
-    with Cache.open(args.cache, require_complete=False) as cache:
+    # These commands inspect and report: a row stored twice is what `verify` is there to list, not refuse.
+    with Cache.open(args.cache, require_complete=False, unique_rows=False) as cache:
         if args.command == "info":
             out: Any = cache_info(cache)
             text = _print_info

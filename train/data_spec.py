@@ -3,7 +3,10 @@
 `DataSpec` is the one set of settings both are configured from (built once per run by `for_run`), and
 the reading helpers below apply the run's `--on-corrupt` policy the same way for both: `fail` raises
 one line naming the shard or sample, `skip` hands the error back for the caller to count. A shard
-whose identity disagrees with the manifest (`Cache.shard`) is an unreadable shard like any other.
+whose identity disagrees with the manifest (`Cache.shard`) is an unreadable shard like any other. Two
+refusals are not one shard's damage: a row stored twice (`DuplicateRows`) stops the run under either
+policy, and a header that contradicts the manifest (`LayoutMismatch`: mixed caches) is not offered the
+skip, which would drop every shard when the manifest is the file that changed.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from dflash.shards import Cache, Sample
-from dflash.shards.errors import ShardError
+from dflash.shards.errors import DuplicateRows, LayoutMismatch, ShardError
 from dflash.shards.safe_io import load_json, read_regular
 
 from .blocks import PackedBatch, make_packed_batch
@@ -122,19 +125,28 @@ def shard_entries(cache: Cache, name: str, on_corrupt: str, bad_shards: dict[str
     """A shard's index for planning. An unreadable shard (or one that is not the manifest's) raises under
     `fail`; under `skip` it is recorded in `bad_shards` (logged once) and contributes no samples."""
     try:
-        entries = cache.shard(name).entries
+        reader = cache.shard(name)
+    except DuplicateRows:
+        raise  # not damage to one shard: skipping the one that repeats a row would drop its other rows too
     except (ShardError, OSError) as exc:
         if on_corrupt != "skip":
-            raise ShardError(f"{exc} (pass --on-corrupt skip to go on without this shard)") from None
+            raise _with_hint(exc, "pass --on-corrupt skip to go on without this shard") from None
         if name not in bad_shards:
             bad_shards[name] = str(exc)
             log.warning("skipping shard %s: %s", name, exc)
         return _NO_ENTRIES
+    entries = reader.entries
     return ShardEntries(
-        rows=np.fromiter((e.row for e in entries), np.int64, len(entries)),
+        rows=reader.rows,
         lengths=np.fromiter((e.length for e in entries), np.int64, len(entries)),
         supervised=np.fromiter((e.supervised for e in entries), np.int64, len(entries)),
     )
+
+
+def _with_hint(exc: BaseException, hint: str) -> BaseException:
+    """`exc` naming the --on-corrupt way around it, unless it is a layout mismatch: files of two caches mixed,
+    where skipping would drop every shard when the manifest is the file that changed."""
+    return exc if isinstance(exc, LayoutMismatch) else ShardError(f"{exc} ({hint})")
 
 
 def read_sample(
@@ -147,9 +159,11 @@ def read_sample(
         return cache.shard(ref.shard).read(
             ref.index, spec.layer_ids, dequantize=dequantize, max_tokens=spec.max_length
         )
+    except DuplicateRows:
+        raise
     except (ShardError, OSError) as exc:
         if spec.on_corrupt != "skip":
-            raise ShardError(f"{exc} (pass --on-corrupt skip to drop corrupt samples)") from None
+            raise _with_hint(exc, "pass --on-corrupt skip to drop corrupt samples") from None
         return exc if isinstance(exc, ShardError) else ShardError(f"row {ref.row}: {exc}")
 
 

@@ -6,9 +6,10 @@ Public API (stable):
         .vocab_size, .hidden_size, .num_layers
     load_frozen_target(cache_dir, *, mask_token_id=None, device=None, dtype=None) -> FrozenTarget
         reads CACHE/target/ (`dflash.shards.target_parts`); mask_token_id defaults to the first unused
-        embedding row (`default_mask_token_id`), an error when none is free and none is given.
+        embedding row (`default_mask_token_id`), an error when none is free and none is given; a given id
+        the tokenizer uses for text is refused (`mask_token.check_mask_token_id`).
 A tied target's lm_head IS its embedding: one tensor, on every device and in every dtype.
-    default_mask_token_id(target_dir, vocab_size) -> int | None
+    default_mask_token_id(target_dir, vocab_size) -> int | None   (from `mask_token.py`)
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash.shards.errors import ShardError
-from dflash.shards.safe_io import read_json
 from dflash.shards.target_config import decoder_config
 from dflash.shards.target_parts import read_target_parts
+
+from .mask_token import check_mask_token_id, default_mask_token_id
 
 
 class FrozenTarget:
@@ -72,29 +73,6 @@ class FrozenTarget:
         return FrozenTarget(embed, head, self.config, self.mask_token_id)
 
 
-def _tokenizer_size(target_dir: Path) -> int | None:
-    """Number of token ids the tokenizer can emit (max id + 1), from tokenizer.json; None without one."""
-    path = target_dir / "tokenizer.json"
-    if not path.is_file():
-        return None
-    data = read_json(path, max_bytes=256 << 20)  # depth-limited; a FIFO is refused, not waited on
-    try:
-        ids = [int(i) for i in (data.get("model", {}).get("vocab") or {}).values()]
-        ids += [int(t["id"]) for t in data.get("added_tokens", [])]
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise ShardError(f"{path}: unreadable tokenizer ({exc})") from None
-    # max id + 1 equals len(tokenizer) when ids are contiguous (Qwen: 151669); it is always an unused id.
-    return max(ids) + 1 if ids else None
-
-
-def default_mask_token_id(target_dir: str | Path, vocab_size: int) -> int | None:
-    """The first embedding row no token uses, when the table is padded past the tokenizer; else None."""
-    size = _tokenizer_size(Path(target_dir))
-    if size is None or size >= vocab_size:
-        return None
-    return size
-
-
 def load_frozen_target(
     cache_dir: str | Path,
     *,
@@ -114,5 +92,7 @@ def load_frozen_target(
             )
     elif not 0 <= mask_token_id < vocab:
         raise ValueError(f"mask_token_id {mask_token_id} outside the target vocabulary 0..{vocab - 1}")
+    else:
+        check_mask_token_id(target_dir, mask_token_id, vocab)
     frozen = FrozenTarget(embed, head, config, mask_token_id)
     return frozen.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else frozen

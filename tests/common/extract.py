@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 from dflash.extract.config import ExtractConfig
 from dflash.extract.result import ExtractResult
+from dflash.shards.cache import Cache
 from dflash.shards.paths import SHARDS_DIR
-from dflash.shards.reader import Cache
 
 from tests.common.datasets import make_rows, write_save_to_disk
 

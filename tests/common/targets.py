@@ -89,11 +89,13 @@ def _build(kind: str, num_layers: int, tie: bool) -> torch.nn.Module:
 
 
 def write_tokenizer(path: Path) -> None:
-    """A byte-level word tokenizer over the tiny vocab, saved as tokenizer.json + tokenizer_config.json."""
+    """A word tokenizer over the tiny vocab but its last row, saved as tokenizer.json + tokenizer_config.json:
+    the table is padded past the tokenizer as Qwen's is (151669 tokens, 151936 rows), so row 255 is free for
+    the drafter's mask token."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"t{i}": i for i in range(3, VOCAB)})
+    vocab.update({f"t{i}": i for i in range(3, VOCAB - 1)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))

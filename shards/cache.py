@@ -1,0 +1,191 @@
+"""A cache directory as readers see it: the manifest's shards, opened lazily, checked on first open (layout,
+identity, each row stored once), shared by threads (`Cache.open`). One shard file at a time is
+`reader.ShardReader`'s business."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .codecs import Codec, codec_from_dict
+from .errors import DuplicateRows, ShardError
+from .manifest import Manifest, ShardInfo, load_manifest
+from .paths import SHARDS_DIR
+from .reader import Sample, ShardReader
+from .row_ledger import RowLedger, suspect_repeated_rows
+from .trust import ReadLimits, check_manifest_for_reading, check_shard_identity, check_shard_layout
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    """Where a row lives: its shard file name and position in that shard's index."""
+
+    row: int
+    length: int
+    supervised: int
+    shard: str
+    index: int
+
+
+class Cache:
+    """A cache directory; open with `Cache.open(path)`. Shards open lazily and are shared by threads."""
+
+    def __init__(
+        self,
+        path: Path,
+        manifest: Manifest,
+        shard_names: list[str],
+        from_manifest: bool,
+        max_open_shards: int,
+        unique_rows: bool = True,
+    ):
+        if max_open_shards < 1:
+            raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
+        self.path = path
+        self.manifest = manifest
+        self.shard_names = shard_names
+        self._known = set(shard_names)
+        self._listed = {s.name: s for s in manifest.shards}
+        self._from_manifest = from_manifest
+        self._max_open = max_open_shards
+        self.limits = ReadLimits.of(manifest)
+        self._lock = threading.Lock()
+        # Most recently used readers; an evicted reader closes its descriptor when the last thread
+        # still holding it lets go (reference counting), so eviction never breaks a read in flight.
+        self._readers: OrderedDict[str, ShardReader] = OrderedDict()
+        self._rows: dict[int, tuple[str, int]] | None = None
+        self._ledger = RowLedger(str(path)) if unique_rows else None
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike,
+        require_complete: bool = True,
+        *,
+        max_open_shards: int = 64,
+        unique_rows: bool = True,
+    ) -> Cache:
+        """Complete caches list shards from the manifest (no directory scan, no footer read until used);
+        `require_complete=False` lists the committed `shards/shard-*.dfs` instead (resume, verify).
+        At most `max_open_shards` readers (file descriptors + parsed indexes) stay cached.
+        `unique_rows` (readers that plan over the cache) refuses a row stored twice (`DuplicateRows`): here
+        when the manifest already suggests one (`suspect_repeated_rows`), else when the shard holding the
+        second copy is opened; `verify` and the inspecting commands pass False and report it themselves."""
+        path = Path(path)
+        manifest = load_manifest(path)
+        check_manifest_for_reading(manifest, f"{path}/manifest.json")
+        if manifest.complete:
+            names = [s.name for s in manifest.shards]
+            cache = cls(path, manifest, names, True, max_open_shards, unique_rows)
+            if unique_rows and suspect_repeated_rows(manifest):
+                try:
+                    cache.check_rows_once()
+                except BaseException:
+                    cache.close()
+                    raise
+            return cache
+        if require_complete:
+            raise ShardError(
+                f"{path}: cache is incomplete (extraction running or interrupted): resume the extraction, "
+                "or open with require_complete=False to read what is committed"
+            )
+        shard_dir = path / SHARDS_DIR
+        names = sorted(p.name for p in shard_dir.glob("shard-*.dfs")) if shard_dir.is_dir() else []
+        return cls(path, manifest, names, False, max_open_shards, unique_rows)
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.manifest.layers)
+
+    @property
+    def codec(self) -> Codec:
+        return codec_from_dict(self.manifest.codec)
+
+    @property
+    def shard_infos(self) -> list[ShardInfo]:
+        """Per-shard stats: from the manifest when complete, else from each shard's footer."""
+        if self._from_manifest:
+            return list(self.manifest.shards)
+        return [self.shard(n).info() for n in self.shard_names]
+
+    def shard(self, name: str) -> ShardReader:
+        with self._lock:
+            reader = self._readers.get(name)
+            if reader is not None:
+                self._readers.move_to_end(name)
+                return reader
+            if name not in self._known:
+                raise KeyError(f"{self.path}: no shard named {name!r}")
+        reader = ShardReader.open(self.path / SHARDS_DIR / name, self.limits)  # outside the lock: disk I/O
+        try:
+            check_shard_layout(reader.path, self.manifest, reader.codec.to_dict(), reader.layers,
+                               reader.dtype, reader.hidden_size)  # fmt: skip
+            if self._from_manifest:
+                check_shard_identity(reader.path, self._listed[name], reader.info())
+            if self._ledger is not None:
+                self._ledger.add(name, reader.rows)
+        except ShardError:
+            reader.close()
+            raise
+        with self._lock:
+            reader = self._readers.setdefault(name, reader)
+            self._readers.move_to_end(name)
+            while len(self._readers) > self._max_open:
+                self._readers.popitem(last=False)
+            return reader
+
+    def check_rows_once(self) -> None:
+        """Read every shard's index now (no sample data) so that a row stored twice is refused before any work
+        (`DuplicateRows`); a shard that cannot be read is left to whoever reads it (its own error, or
+        `--on-corrupt skip`)."""
+        for name in self.shard_names:
+            try:
+                self.shard(name)
+            except DuplicateRows:
+                raise
+            except (ShardError, OSError):
+                continue
+
+    def entries(self) -> list[CacheEntry]:
+        """Every sample (row, length, supervised, shard, index) from the shard indexes; reads all footers."""
+        out = []
+        for name in self.shard_names:
+            for i, e in enumerate(self.shard(name).entries):
+                out.append(
+                    CacheEntry(row=e.row, length=e.length, supervised=e.supervised, shard=name, index=i)
+                )
+        return out
+
+    def locate(self, row: int) -> CacheEntry:
+        with self._lock:
+            rows = self._rows
+        if rows is None:
+            rows = {e.row: (e.shard, e.index) for e in self.entries()}
+            with self._lock:
+                self._rows = rows
+        if row not in rows:
+            raise KeyError(f"{self.path}: row {row} is not in this cache")
+        name, i = rows[row]
+        e = self.shard(name).entries[i]
+        return CacheEntry(row=row, length=e.length, supervised=e.supervised, shard=name, index=i)
+
+    def read(self, row: int, layers: Sequence[int] | None = None, *, dequantize: bool = True) -> Sample:
+        """The sample of dataset row `row` (first call builds the row map from all indexes)."""
+        e = self.locate(row)
+        return self.shard(e.shard).read(e.index, layers, dequantize=dequantize)
+
+    def close(self) -> None:
+        with self._lock:
+            for r in self._readers.values():
+                r.close()
+            self._readers.clear()
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

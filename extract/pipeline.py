@@ -3,7 +3,8 @@
 Order of a run (each rank): read the target's config, open + validate the dataset, plan batches and
 work units (deterministic), take this rank's lock; rank 0 checks or writes the manifest (refusing a
 cache made with other settings), checks free disk space, copies the frozen target parts (or keeps
-those the manifest's digests vouch for) and records their digests, and marks the cache ready; other ranks wait for that. Each rank then extracts its uncommitted units
+those the manifest's digests vouch for) and records their digests, and marks the cache ready; other
+ranks wait for that. Each rank then extracts its uncommitted units
 (u % world_size == rank) through the stages of `stages.py`. Rank 0 finally waits for the others
 (taking over the units of ranks that died), and finalizes the manifest when every unit is committed.
 """

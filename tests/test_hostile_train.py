@@ -257,6 +257,17 @@ def test_layout_mismatch_names_its_cause_not_a_skip(cache: Path, capsys) -> None
     assert f"dflash-shards verify {cache}" in line and "--on-corrupt" not in line
 
 
+def test_every_shard_skipped_is_refused_not_trained_on_nothing(cache: Path, capsys) -> None:
+    """Under `--on-corrupt skip` a manifest that disagrees with every shard used to end the run at once, exit 0
+    and export an untrained drafter."""
+    resign_manifest(cache, lambda d: d.update(dtype="float16"))
+    argv = tiny_train_argv(cache, cache.parent / "run", "--max-steps", "2", "--on-corrupt", "skip", *QUIET)
+    line = _refused(capsys, argv)
+    assert "shards skipped under --on-corrupt skip leave nothing to train on" in line
+    assert "disagrees with the manifest" in line and f"dflash-shards verify {cache}" in line
+    assert not (cache.parent / "run" / "export").exists()
+
+
 # --- item 8: an empty cache ----------------------------------------------------------------------------------------
 
 

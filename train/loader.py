@@ -254,10 +254,14 @@ class StreamingLoader:
                 one_torch_thread()
                 epoch, start = self._state["epoch"], self._state["next_index"]
                 for e in range(epoch, self.spec.epochs):
+                    planned = 0
                     for job in self._plan(e, start if e == epoch else 0):
+                        planned += 1
                         reads = [decode_pool.submit(self._read, ref) for ref in job.samples]
                         if not put(built, (job, build_pool.submit(self._build, job, reads))):
                             return
+                    if not planned and self.bad_shards and (e > epoch or start == 0):
+                        raise ShardError(self._nothing_left())
                 put(built, _END)
             except BaseException as exc:
                 put(built, exc)
@@ -296,6 +300,16 @@ class StreamingLoader:
                 t.join()
             decode_pool.shutdown(wait=True, cancel_futures=True)
             build_pool.shutdown(wait=True, cancel_futures=True)
+
+    def _nothing_left(self) -> str:
+        """An epoch with no batch once shards were skipped (a manifest that disagrees with every shard, under
+        --on-corrupt skip): the run would end at once and still export an untrained drafter."""
+        name, reason = next(iter(self.bad_shards.items()))
+        return (
+            f"{self.cache.path}: {len(self.bad_shards)} of {len(self.cache.shard_names)} shards skipped under "
+            f"--on-corrupt skip leave nothing to train on (the first, {name}: {reason:.300}); run "
+            f"`dflash-shards verify {self.cache.path}`"
+        )
 
     def _copier(self, built: queue.Queue, out: queue.Queue, put, stop: threading.Event) -> None:
         """Host-to-device copies on a side stream, one batch ahead of the consumer."""

@@ -92,7 +92,7 @@ def zstd_frame_of(parts: Sequence[torch.Tensor], level: int = 1) -> bytes:
             if sys.byteorder == "big" and part.element_size() > 1:
                 dst.numpy().byteswap(inplace=True)
             pos += size
-    return compressor(level).compress(frame.numpy())
+    return zstd_compress(frame.numpy(), level)
 
 
 def zstd_decompress_exact(

@@ -163,7 +163,7 @@ def _drop_target(cache: Path) -> tuple[str, ...]:
 def _small_vocab(cache: Path) -> tuple[str, ...]:
     frozen = load_file(_frozen_path(cache))
     save_file({k: v[:60].contiguous() for k, v in frozen.items()}, _frozen_path(cache))
-    return ("--mask-token-id", "55")  # a free row of the shrunken table; the cached ids (up to 89) are not
+    return ("--mask-token-id", "55")  # a row inside the shrunken table; the cached ids (up to 89) are not
 
 
 def _manifest_vocab_past_frozen(cache: Path) -> tuple[str, ...]:

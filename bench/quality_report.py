@@ -72,12 +72,14 @@ class Scorer:
         """Cache, frozen target, evaluation rows and the baselines, for drafters of `config`'s shape."""
         import torch
         from dflash.shards import Cache
+        from dflash.shards.target_files import check_target_files
         from dflash.train.evaluate import build_eval_set
         from dflash.train.frozen import load_frozen_target
         from dflash.train.lookup import lookup_accepted
         from dflash.train.model import DFlashDrafter
 
         self.cache = cache = self._stack.enter_context(Cache.open(self.work / f"cache-{self.codec}"))
+        check_target_files(cache.path, cache.manifest.target_files)  # as training does before reading it
         self.frozen = load_frozen_target(cache.path).to(device=torch.device(self.device), dtype=torch.float32)
         self.eval_set = build_eval_set(cache, self._spec(config))  # the rows do not depend on the drafter
         with torch.random.fork_rng(devices=[]):

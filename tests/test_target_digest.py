@@ -218,3 +218,17 @@ def test_rerun_on_a_cache_without_digests_records_them(
     assert extract_main(_extract_argv(*inputs, cache)) == 0
     manifest = load_manifest(cache)
     assert manifest.complete and manifest.target_files == files
+
+
+def test_demo_evaluation_refuses_a_damaged_target(cache: Path, tmp_path: Path) -> None:
+    """The demo's evaluation reads the frozen target outside training, so it checks the digests too."""
+    from dflash.shards import ShardError
+    from dflash.tools.demo import DEMO_SIZES
+    from dflash.tools.demo_eval import evaluate_drafter, make_train_config, untrained_drafter
+
+    cfg = make_train_config(cache, tmp_path / "run", next(iter(DEMO_SIZES.values())), seed=0)
+    drafter = untrained_drafter(cfg)
+    assert "tau" in evaluate_drafter(drafter, cfg)
+    _zero_frozen_data(cache)
+    with pytest.raises(ShardError, match=r"frozen\.safetensors: damaged or replaced since written"):
+        evaluate_drafter(drafter, cfg)

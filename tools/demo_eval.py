@@ -84,6 +84,7 @@ def evaluate_drafter(drafter: DFlashDrafter | str | Path, cfg: TrainConfig) -> d
     """The trainer's evaluation (held-out rows, seeded anchors, decode walk) of a drafter or an exported dir."""
     import torch
     from dflash.shards import Cache
+    from dflash.shards.target_files import check_target_files
     from dflash.train.data_spec import DataSpec, read_eval_rows
     from dflash.train.evaluate import build_eval_set, evaluate
     from dflash.train.export import load_drafter
@@ -91,9 +92,12 @@ def evaluate_drafter(drafter: DFlashDrafter | str | Path, cfg: TrainConfig) -> d
 
     if isinstance(drafter, (str, Path)):
         drafter = load_drafter(drafter, dtype=torch.float32)
-    frozen = load_frozen_target(cfg.cache, mask_token_id=drafter.config.mask_token_id, dtype=torch.float32)
     spec = DataSpec.for_run(cfg, drafter.config, read_eval_rows(cfg.data.eval_rows))
     with Cache.open(cfg.cache) as cache:
+        check_target_files(cache.path, cache.manifest.target_files)  # as training does before reading it
+        frozen = load_frozen_target(
+            cache.path, mask_token_id=drafter.config.mask_token_id, dtype=torch.float32
+        )
         result = evaluate(
             drafter, frozen, cache, build_eval_set(cache, spec), spec, device=torch.device("cpu")
         )

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common.fake_cache import TINY_TARGET, write_fake_target
+from common.hostile import record_target_files
 from common.synth import make_cache
 from dflash.shards.convert import ConvertConfig, convert_cache
 
@@ -56,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
             hidden=args.hidden,
             rows_per_shard=max(1, args.samples // 2),
         )
+        # a small vocabulary: the target's copy is not what this measures
         write_fake_target(root / "lossless" / "target", {**TINY_TARGET, "hidden_size": args.hidden}, 0)
+        record_target_files(root / "lossless")
         for src, dst in CONVERSIONS:
             out = root / dst if src == "lossless" else root / f"{src}-{dst}"
             cpu, wall = time.process_time(), time.perf_counter()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from common.fake_cache import TINY_TARGET, write_fake_cache
-from common.hostile import copy_shard, one_error_line, repeat_row
+from common.hostile import copy_shard, one_error_line, repeat_row, resign_manifest
 from common.synth import make_cache
 from dflash.shards import Cache, ManifestMismatch, ShardError, get_codec, load_manifest, verify_cache
 from dflash.shards.convert import ConvertConfig, convert_cache, sample_groups
@@ -153,6 +153,9 @@ def test_other_settings_or_source_are_refused_naming_the_field(tmp_path: Path) -
     no_parts = tmp_path / "no-parts"
     make_cache(no_parts, [3, 4])
     shutil.rmtree(no_parts / "target")
+    with pytest.raises(ShardError, match=r"config\.json: missing, the manifest records it"):
+        convert_cache(ConvertConfig(source=no_parts, out=tmp_path / "y", codec="q4"))
+    resign_manifest(no_parts, lambda d: d.pop("target_files"))  # a cache from before the digests
     with pytest.raises(FileNotFoundError, match=r"config\.json is missing"):
         convert_cache(ConvertConfig(source=no_parts, out=tmp_path / "y", codec="q4"))
     assert not (tmp_path / "y").exists()

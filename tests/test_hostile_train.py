@@ -18,6 +18,7 @@ from common.hostile import (
     cli,
     copy_shard,
     one_error_line,
+    record_target_files,
     repeat_row,
     resign_manifest,
     run_measured,
@@ -163,6 +164,7 @@ def _drop_target(cache: Path) -> tuple[str, ...]:
 def _small_vocab(cache: Path) -> tuple[str, ...]:
     frozen = load_file(_frozen_path(cache))
     save_file({k: v[:60].contiguous() for k, v in frozen.items()}, _frozen_path(cache))
+    record_target_files(cache)
     return ("--mask-token-id", "55")  # a row inside the shrunken table; the cached ids (up to 89) are not
 
 
@@ -176,6 +178,7 @@ def _manifest_vocab_past_frozen(cache: Path) -> tuple[str, ...]:
 def _int_weights(cache: Path) -> tuple[str, ...]:
     frozen = load_file(_frozen_path(cache))
     save_file({k: v.to(torch.int32) for k, v in frozen.items()}, _frozen_path(cache))
+    record_target_files(cache)
     return ()
 
 
@@ -184,6 +187,7 @@ def _nonfinite_embed(cache: Path) -> tuple[str, ...]:
     embed = frozen["embed_tokens.weight"]
     embed[3, :2], embed[40, 5], embed[95, -2:] = float("nan"), float("-inf"), float("inf")
     save_file(frozen, _frozen_path(cache))
+    record_target_files(cache)
     return ()
 
 
@@ -191,6 +195,7 @@ def _nonfinite_lm_head(cache: Path) -> tuple[str, ...]:
     frozen = load_file(_frozen_path(cache))
     frozen["lm_head.weight"][7, 11] = float("nan")
     save_file(frozen, _frozen_path(cache))
+    record_target_files(cache)
     return ()
 
 
@@ -198,6 +203,7 @@ def _config_without_layers(cache: Path) -> tuple[str, ...]:
     config = json.loads((cache / "target" / "config.json").read_text())
     del config["num_hidden_layers"]
     (cache / "target" / "config.json").write_text(json.dumps(config))
+    record_target_files(cache)
     return ()
 
 

@@ -136,7 +136,8 @@ def test_a_fifo_in_place_of_a_target_file_is_named_not_waited_on(
 
 
 def test_null_tokenizer_is_refused_by_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cache = write_fake_cache(tmp_path / "cache", num_samples=8, samples_per_shard=4)  # no digests recorded
+    cache = write_fake_cache(tmp_path / "cache", num_samples=8, samples_per_shard=4)
+    resign_manifest(cache, lambda d: d.pop("target_files"))  # a cache from before the digests
     (cache / "target" / "tokenizer.json").write_text("null")
     rc, lines = _verify_lines(cache, capsys)
     assert rc == 1 and lines == [f"{cache / 'target' / 'tokenizer.json'}: holds JSON null, not an object"]
@@ -180,6 +181,7 @@ def test_clean_cache_verifies_trains_and_converts_with_its_digests(
 
 def test_convert_of_a_source_without_digests_records_them(tmp_path: Path) -> None:
     source = write_fake_cache(tmp_path / "src", num_samples=8, samples_per_shard=4)
+    resign_manifest(source, lambda d: d.pop("target_files"))  # a cache from before the digests
     assert load_manifest(source).target_files == {}
     out = tmp_path / "dst"
     assert shards_main(["convert", str(source), "--codec", "fp8", "--out", str(out)]) == 0

@@ -26,6 +26,7 @@ from dflash.shards import (
     shard_name,
 )
 from dflash.shards.manifest import target_info
+from dflash.shards.target_files import digest_files
 from dflash.shards.writer import ShardMeta
 from safetensors.torch import save_file
 
@@ -128,6 +129,7 @@ def write_fake_cache(
         options={"max_len": max_len},
         plan={"samples_per_shard": samples_per_shard},
         shards=infos,
+        target_files=digest_files(root / "target"),
     )
     save_manifest(root, manifest)
     return root

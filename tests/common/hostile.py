@@ -16,6 +16,7 @@ import xxhash
 from dflash.shards import EncodedSample, ShardMeta, ShardReader, ShardWriter, load_manifest, save_manifest
 from dflash.shards.codec_base import compressor
 from dflash.shards.layout import FOOTER, FOOTER_MAGIC, checksum
+from dflash.shards.target_files import digest_files
 
 _ZEROS = bytes(1 << 20)
 
@@ -51,6 +52,14 @@ def resign_manifest(cache: Path, edit: Callable[[dict[str, Any]], object] | None
     d = manifest.to_dict()
     edit(d)
     (cache / "manifest.json").write_text(json.dumps(d))
+
+
+def record_target_files(cache: Path) -> None:
+    """Record target/'s files as they are now in the manifest's digests, as if extraction had written them
+    so: a damage planted in target/ then reaches the checks after the digest one (shapes, dtypes, NaN)."""
+    manifest = load_manifest(cache)
+    manifest.target_files = digest_files(cache / "target")
+    save_manifest(cache, manifest)
 
 
 def copy_shard(cache: Path, unit: int, new_unit: int) -> str:

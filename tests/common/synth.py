@@ -21,6 +21,7 @@ from dflash.shards import (
     shard_name,
 )
 from dflash.shards.codecs import dtype_name
+from dflash.shards.target_files import digest_files
 
 from .fake_cache import TINY_TARGET, write_fake_target
 
@@ -93,6 +94,7 @@ def make_cache(
     # target/ as extraction writes it first (a vocabulary above every id written below)
     target = {**TINY_TARGET, "hidden_size": hidden, "head_dim": hidden // 2, "vocab_size": 8192}
     write_fake_target(Path(path) / "target", target, seed)
+    manifest.target_files = digest_files(Path(path) / "target")
     skip = {r for r, _ in skipped}
     rows = [r for r in range(len(lengths)) if r not in skip]
     written: dict[int, list[torch.Tensor]] = {}

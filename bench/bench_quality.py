@@ -267,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         "--codecs",
         help="comma-separated caches to extract and train on (default: the size's)",
     )
+    p.add_argument(
+        "--score-on",
+        help="the cache whose features score every drafter (default: lossless when trained on, else the first "
+        "codec); extracted even when no run trains on it, so lossy caches' drafters are scored on exact states",
+    )
     p.add_argument("--seeds", type=int, help="override the size's seed count")
     p.add_argument(
         "--first-seed", type=int, default=0, help="drafter seeds start here (add seeds to an earlier run's)"
@@ -320,11 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     codecs = args.codecs.split(",") if args.codecs else list(size.codecs)
     if args.stop_after == "data":
         return 0
+    scored_on = args.score_on or ("lossless" if "lossless" in codecs else codecs[0])
     # One extraction per codec, side by side: each leaves most of the box idle (per-row work bounds it, not
     # the target's forward nor the disk), and each codec's runs start as soon as its own cache is complete.
-    extractor = ThreadPoolExecutor(len(codecs), thread_name_prefix="extract")
+    extracted = list(dict.fromkeys([*codecs, scored_on]))
+    extractor = ThreadPoolExecutor(len(extracted), thread_name_prefix="extract")
     caches = {
-        c: extractor.submit(timed, f"extract {c}", partial(phase_cache, work, c, args.device)) for c in codecs
+        c: extractor.submit(timed, f"extract {c}", partial(phase_cache, work, c, args.device))
+        for c in extracted
     }
     if args.stop_after == "extract":
         extractor.shutdown(wait=True)
@@ -333,7 +341,6 @@ def main(argv: list[str] | None = None) -> int:
     write_heldout_files(work / args.runs_dir, meta, size.fractions)
     extra = args.train_args.split()
 
-    scored_on = "lossless" if "lossless" in codecs else codecs[0]
     scorer = Scorer(work, size, meta, args.device, scored_on)
 
     def train_one(run: Run) -> Run:
@@ -364,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "curves": [{"run": r.name, "points": r.result["curve"]} for r in good if r.curve],
         "runs": [{"run": r.name, "flags": list(r.flags), **r.result} for r in runs],
         "train_args": args.train_args,
+        "scored_on": scored_on,
         "seconds": seconds,
     }
     (work / args.runs_dir / "quality.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -53,6 +53,25 @@ def test_ci_size_runs_every_phase_and_reports_on_heldout_rows(tmp_path: Path, ca
     } == before
 
 
+@pytest.mark.slow
+def test_score_on_extracts_the_scoring_cache_without_training_on_it(tmp_path: Path, monkeypatch) -> None:
+    opened: list[Path] = []
+
+    class Recording(bench_quality.Scorer):
+        def _open(self, config) -> None:
+            super()._open(config)
+            opened.append(Path(self.cache.path))
+
+    monkeypatch.setattr(bench_quality, "Scorer", Recording)
+    work = tmp_path / "q"
+    argv = ["--size", "ci", "--device", "cpu", "--work", str(work), "--codecs", "q4", "--fractions", "1"]
+    assert bench_quality.main([*argv, "--score-on", "lossless"]) == 0
+    report = json.loads((work / "runs" / "quality.json").read_text())
+    assert report["scored_on"] == "lossless" and [r["run"] for r in report["runs"]] == ["base-q4-f1-s0"]
+    assert json.loads((work / "cache-lossless" / "manifest.json").read_text())["complete"]
+    assert opened == [work / "cache-lossless"]  # the q4 drafter was scored on exact states
+
+
 def test_first_seed_adds_seeds_to_an_earlier_experiment(tmp_path: Path) -> None:
     # `--first-seed 2 --seeds 1` plans only seed 2's runs, so a later session extends seeds 0-1 in place;
     # that seed then draws the curve and the data-size runs, as seed 0 does in a run of its own.

@@ -1,14 +1,16 @@
 """How much each codec's encode, running on another thread, slows the thread that launches the forward.
 
-    python bench/bench_gil.py [--tokens 1500 --hidden 4096 --layers 5 --seconds 3 --rounds 4]
+    python bench/bench_gil.py [--tokens 1500 --hidden 4096 --layers 5 --seconds 3 --rounds 4 --encode-threads 1]
 
 The extractor's main thread launches the target's forward while encode threads compress the previous
 batches. A launch releases the GIL and must take it back; an encode thread that keeps taking the GIL back
 (python-zstandard's streaming `compress` does so for every ~128 KB of output) makes the launcher wait, and
 a launcher that falls behind leaves the GPU idle inside a batch. Here the launcher is a loop of one-element
-torch ops, which release and retake the GIL like a kernel launch; its rate alone and beside one encode
-thread per codec is the measure. `fp8-streaming` is the fp8 frame as the writer built it before (the same
-bytes through a streaming compressor), kept as the reference. The rounds alternate the codecs, so a noisy
+torch ops, which release and retake the GIL like a kernel launch; its rate alone and beside encode
+threads of one codec is the measure (one thread by default; `--encode-threads` as many as extraction
+runs: on a many-core box one thread leaves the launcher a core and too few GIL hand-offs to show).
+`fp8-streaming` is the fp8 frame as the writer built it before (the same bytes through a streaming
+compressor), kept as the reference. The rounds alternate the codecs, so a noisy
 machine spreads its noise over all of them; medians are reported.
 """
 
@@ -68,25 +70,28 @@ def launcher_rate(seconds: float) -> float:
     return n / (time.perf_counter() - start)
 
 
-def beside(encode: Callable[[int], bytes] | None, seconds: float) -> tuple[float, float]:
-    """(launcher ops/s, encodes/s) with `encode` looping on another thread (None: the launcher alone)."""
+def beside(encode: Callable[[int], bytes] | None, seconds: float, threads: int = 1) -> tuple[float, float]:
+    """(launcher ops/s, encodes/s) with `encode` looping on `threads` other threads (None: the launcher
+    alone)."""
     if encode is None:
         return launcher_rate(seconds), 0.0
-    stop, done = threading.Event(), [0]
+    stop, done = threading.Event(), [0] * threads
 
-    def loop() -> None:
+    def loop(t: int) -> None:
         while not stop.is_set():
-            encode(done[0])
-            done[0] += 1
+            encode(done[t] * threads + t)
+            done[t] += 1
 
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
+    pool = [threading.Thread(target=loop, args=(t,), daemon=True) for t in range(threads)]
+    for thread in pool:
+        thread.start()
     time.sleep(0.2)
-    before, start = done[0], time.perf_counter()
+    before, start = sum(done), time.perf_counter()
     rate = launcher_rate(seconds)
-    encodes = (done[0] - before) / (time.perf_counter() - start)
+    encodes = (sum(done) - before) / (time.perf_counter() - start)
     stop.set()
-    thread.join()
+    for thread in pool:
+        thread.join()
     return rate, encodes
 
 
@@ -97,15 +102,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument(
+        "--encode-threads",
+        type=int,
+        default=1,
+        help="encode threads beside the launcher (dflash-extract runs min(16, cores - 1))",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # as the extractor's encode threads (shards/threads.py)
     codecs = encoders(args.tokens, args.hidden, args.layers)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in ("alone", *codecs)}
     for _ in range(args.rounds):
         for name in runs:
-            runs[name].append(beside(codecs.get(name), args.seconds))
+            runs[name].append(beside(codecs.get(name), args.seconds, args.encode_threads))
     alone = statistics.median(r for r, _ in runs["alone"])
-    print(f"{args.tokens} tokens x {args.hidden}, {args.layers} layers; medians of {args.rounds} rounds")
+    print(
+        f"{args.tokens} tokens x {args.hidden}, {args.layers} layers, {args.encode_threads} encode thread(s); "
+        f"medians of {args.rounds} rounds"
+    )
     print(f"{'beside':14s} {'launcher ops/s':>15s} {'vs alone':>9s} {'encodes/s':>10s}")
     for name, results in runs.items():
         rate = statistics.median(r for r, _ in results)

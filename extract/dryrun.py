@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dflash.shards.codec_costs import codec_table, format_codec_table
 from dflash.shards.outdir import check_out_dir
+from dflash.shards.units import size_text
 
 from .config import ExtractConfig
 from .plan import estimate_cache_bytes, plan_stats
@@ -70,7 +71,7 @@ def format_summary(s: dict) -> str:
     t = s["target"]
     est = s["bytes_estimate"]
     chosen = s["codec"]
-    verdict = "fits" if s["fits"] else f"does NOT fit ({_size(est[chosen])} needed with {chosen})"
+    verdict = "fits" if s["fits"] else f"does NOT fit ({size_text(est[chosen])} needed with {chosen})"
     lines = [
         (
             "target",
@@ -91,15 +92,15 @@ def format_summary(s: dict) -> str:
             f"tokens, {s['max_batch_rows']} rows)",
         ),
         ("padding", f"{s['padded_tokens']:,} padded tokens, overhead {100 * s['padding_overhead']:.2f}%"),
-        ("work units", f"{s['units']:,} shards of ~{_size(s['unit_bytes'])}"),
-        ("free space", f"{_size(s['free_bytes'])} on {s['free_path']}: {verdict}"),
+        ("work units", f"{s['units']:,} shards of ~{size_text(s['unit_bytes'])}"),
+        ("free space", f"{size_text(s['free_bytes'])} on {s['free_path']}: {verdict}"),
         (
             "time",
             f"open {s['open_seconds']:.2f} s, validate {s['validate_seconds']:.2f} s, plan {s['plan_seconds']:.2f} s",
         ),
     ]
     width = max(len(k) for k, _ in lines)
-    table = format_codec_table(s["codecs"], chosen, _size)
+    table = format_codec_table(s["codecs"], chosen, size_text)
     return "\n".join([*(f"{k:<{width}}  {v}" for k, v in lines), table])
 
 
@@ -110,11 +111,3 @@ def run_dry_run(config: ExtractConfig) -> dict:
     summary = dry_run_summary(config, prepare(config))
     print(json.dumps(summary) if config.json else format_summary(summary), flush=True)
     return summary
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

@@ -44,6 +44,12 @@ def _train_parser() -> argparse.ArgumentParser:
     run.add_argument("--cache", help="cache directory written by dflash-extract")
     run.add_argument("--out", help="run directory: checkpoints/, metrics.jsonl, plots/, export/")
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every start-up check (no GPU needed, nothing written) and print the plan: drafter size, "
+        "steps (world size from WORLD_SIZE), checkpoint disk against free space",
+    )
     run.add_argument("--seed", type=int)
     run.add_argument("--device", choices=DEVICE_CHOICES)
     run.add_argument(
@@ -127,7 +133,13 @@ def _export_parser() -> argparse.ArgumentParser:
 
 
 def build_config(argv: Sequence[str]) -> Any:
+    return parse_command(argv)[0]
+
+
+def parse_command(argv: Sequence[str]) -> tuple[Any, bool]:
+    """(the run's TrainConfig, whether --dry-run was given)."""
     args = vars(_train_parser().parse_args(argv))
+    dry = bool(args.pop("dry_run", False))
     values: dict[str, Any] = {}
     preset = args.pop("preset", "paper")
     file = args.pop("config", None)
@@ -139,8 +151,8 @@ def build_config(argv: Sequence[str]) -> Any:
         for name in ("cache", "out"):
             if name not in values:
                 raise ValueError(f"{name} is required: pass --{name} or set it in the config file")
-        return tiny_debug(**values)
-    return config_from_flat(values)
+        return tiny_debug(**values), dry
+    return config_from_flat(values), dry
 
 
 def export_main(argv: Sequence[str]) -> int:
@@ -172,7 +184,12 @@ def main_impl(argv: Sequence[str] | None) -> int:
     if argv and argv[0] == "export":
         return export_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = build_config(argv)
+    cfg, dry = parse_command(argv)
+    if dry:
+        from .dry_run import dry_run, print_plan, world_size_from_env
+
+        print_plan(dry_run(cfg, world_size_from_env()))
+        return 0
     from .trainer import train
 
     result = train(cfg)

@@ -1,6 +1,7 @@
 """Everything a run needs before its drafter exists, checked against each other (`Trainer.build`'s first half).
 
     open_run(cfg, clock) -> RunParts(info, cache, frozen, drafter_cfg, spec)
+    checked_parts(cfg, cache, clock) -> (frozen, drafter_cfg, spec): its checks that write nothing (--dry-run)
         process group and device; the --out rule, interrupted saves cleaned, seeds; the cache; its target/
         files against the manifest's digests (`shards.target_files`: zeroed bytes in the frozen weights are
         finite, no later check sees them); its frozen target parts and the layers and drafter shape they
@@ -52,6 +53,14 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
+def check_resume_rule(cfg: TrainConfig) -> None:
+    """A run directory that holds checkpoints is continued only with --resume, never trained over."""
+    if not cfg.resume and ckpt.list_checkpoints(cfg.out):
+        raise ValueError(
+            f"{cfg.out} already holds checkpoints: pass --resume to continue, or choose a new --out"
+        )
+
+
 def open_run(cfg: TrainConfig, clock: StartupClock) -> RunParts:
     """The run's parts, each checked against the others; see the module docstring."""
     with clock.phase("process_group"):
@@ -68,39 +77,45 @@ def open_run(cfg: TrainConfig, clock: StartupClock) -> RunParts:
             for action in ckpt.clean_interrupted_saves(run_dir):
                 log.warning("interrupted checkpoint write: %s", action)
         barrier(info)
-        if not cfg.resume and ckpt.list_checkpoints(run_dir):
-            raise ValueError(
-                f"{run_dir} already holds checkpoints: pass --resume to continue, or choose a new --out"
-            )
+        check_resume_rule(cfg)
         seed_everything(cfg.seed)
     with clock.phase("cache_open"):
         cache = Cache.open(cfg.cache)
     try:
-        with clock.phase("target_files"):  # every byte as extraction wrote it, before any is read or trusted
-            check_target_files(cfg.cache, cache.manifest.target_files)
-        with clock.phase("frozen_read"):  # headers and config: the weights stay mmap'd, unread
-            frozen = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
-            layer_ids = resolve_layer_ids(
-                frozen.num_layers,
-                cfg.drafter.num_draft_layers,
-                cfg.drafter.target_layer_ids,
-                cached=cache.layers,
-            )
-            drafter_cfg = DrafterConfig.from_target_config(
-                frozen.config,
-                mask_token_id=frozen.mask_token_id,
-                num_hidden_layers=cfg.drafter.num_draft_layers,
-                block_size=cfg.drafter.block_size,
-                target_layer_ids=layer_ids,
-            )
-            check_cache(cache, frozen, drafter_cfg)
-            check_trainable(cache, frozen)
-            spec = DataSpec.for_run(cfg, drafter_cfg, read_eval_rows(cfg.data.eval_rows))
+        frozen, drafter_cfg, spec = checked_parts(cfg, cache, clock)
         frozen = _frozen_on_device(frozen, cache, info.device, clock)
         return RunParts(info, cache, frozen, drafter_cfg, spec)
     except BaseException:
         cache.close()
         raise
+
+
+def checked_parts(
+    cfg: TrainConfig, cache: Cache, clock: StartupClock
+) -> tuple[FrozenTarget, DrafterConfig, DataSpec]:
+    """The frozen target (mmap'd, as stored), the drafter's shape and the data spec of `cfg` on `cache`, each
+    checked against the others and `target/` against the manifest's digests; nothing is written."""
+    with clock.phase("target_files"):  # every byte as extraction wrote it, before any is read or trusted
+        check_target_files(cfg.cache, cache.manifest.target_files)
+    with clock.phase("frozen_read"):  # headers and config: the weights stay mmap'd, unread
+        frozen = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
+        layer_ids = resolve_layer_ids(
+            frozen.num_layers,
+            cfg.drafter.num_draft_layers,
+            cfg.drafter.target_layer_ids,
+            cached=cache.layers,
+        )
+        drafter_cfg = DrafterConfig.from_target_config(
+            frozen.config,
+            mask_token_id=frozen.mask_token_id,
+            num_hidden_layers=cfg.drafter.num_draft_layers,
+            block_size=cfg.drafter.block_size,
+            target_layer_ids=layer_ids,
+        )
+        check_cache(cache, frozen, drafter_cfg)
+        check_trainable(cache, frozen)
+        spec = DataSpec.for_run(cfg, drafter_cfg, read_eval_rows(cfg.data.eval_rows))
+    return frozen, drafter_cfg, spec
 
 
 def _frozen_on_device(

@@ -1,0 +1,77 @@
+"""`dflash-train --dry-run`: the run's start-up checks and its plan, with nothing written and no GPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from common.fake_cache import write_fake_cache
+from common.train_cli import tiny_train_argv
+from dflash.shards import Cache, load_manifest
+from dflash.train import dry_run as dry_run_module
+from dflash.train.cli import build_config
+from dflash.train.cli import main as train_main
+from dflash.train.config import estimate_total_steps
+from dflash.train.model import DFlashDrafter
+from dflash.train.run_parts import checked_parts
+from dflash.train.startup import StartupClock
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    return write_fake_cache(tmp_path / "cache", num_samples=24, samples_per_shard=8)
+
+
+def _plan(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, str]:
+    assert train_main([*argv, "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    return {line[:12].strip(): line[12:] for line in lines}
+
+
+def test_plan_matches_the_run_and_writes_nothing(cache: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = tiny_train_argv(cache, tmp_path / "run", "--epochs", "3")
+    plan = _plan(capsys, argv)
+    assert not (tmp_path / "run").exists()  # not even the --out directory
+    cfg = build_config(argv)
+    steps = estimate_total_steps(load_manifest(cache), cfg, world_size=2)
+    assert plan["schedule"].startswith(f"~{steps:,} optimizer steps (3 epochs, world 2)")
+    # The parameter count is the real drafter's (the plan builds it on the meta device).
+    result = dry_run_module.dry_run(cfg, 2)
+    with Cache.open(cache) as opened:
+        _, drafter_cfg, _ = checked_parts(cfg, opened, StartupClock())
+    drafter = DFlashDrafter(drafter_cfg)
+    trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    assert result["params"] == trained and result["checkpoint_bytes"] == 12 * trained
+    assert result["checkpoints_disk_bytes"] == 12 * trained * (cfg.keep_checkpoints + 1)
+    assert plan["checks"].startswith("passed") and "fits" in plan["checkpoints"]
+
+
+def test_a_disk_too_small_for_the_checkpoints_is_said(
+    cache: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.setattr(dry_run_module, "_free_bytes", lambda path: 1000)
+    plan = _plan(capsys, tiny_train_argv(cache, tmp_path / "run"))
+    assert "DOES NOT FIT" in plan["checkpoints"]
+
+
+def test_what_the_run_would_refuse_is_refused(cache: Path, tmp_path: Path, capsys) -> None:
+    config = cache / "target" / "config.json"
+    config.write_bytes(config.read_bytes() + b" ")
+    assert train_main([*tiny_train_argv(cache, tmp_path / "run"), "--dry-run"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json: damaged or replaced since written" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_directory_with_checkpoints_needs_resume(cache: Path, tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    assert train_main(tiny_train_argv(cache, run, "--max-steps", "2", "--no-tensorboard", "--no-plots")) == 0
+    capsys.readouterr()
+    before = sorted(os.listdir(run))
+    assert train_main([*tiny_train_argv(cache, run), "--dry-run"]) != 0
+    assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
+    plan = _plan(capsys, [*tiny_train_argv(cache, run), "--resume"])
+    assert "resumes its latest checkpoint" in plan["out"]
+    assert sorted(os.listdir(run)) == before

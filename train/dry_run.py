@@ -1,0 +1,117 @@
+"""`dflash-train --dry-run`: every check a run makes before its first step, and what the run will cost,
+without a GPU, a process group or a byte written.
+
+    dry_run(cfg, world_size) -> dict    the checked plan (cache, drafter, schedule, checkpoint disk)
+    print_plan(plan)                    a short table of it
+
+Why: a training job waits in a queue for GPUs, then runs for days. A cache whose target/ was damaged, a
+layer list the cache does not hold, a mask id the tokenizer uses, or a disk too small for the checkpoints
+should be found on the login node, before any of that.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from dflash.shards import Cache
+from dflash.shards.outdir import check_out_dir
+from dflash.shards.units import size_text
+
+from .config import TrainConfig, estimate_total_steps
+from .guards import check_frozen_finite
+from .model import DFlashDrafter
+from .run_parts import check_resume_rule, checked_parts
+from .startup import StartupClock
+
+# A checkpoint holds the fp32 master weights and AdamW's two fp32 moments per parameter.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+def _free_bytes(path: Path) -> int:
+    """Free space of the filesystem that will hold `path` (its nearest existing ancestor)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return shutil.disk_usage(Path.cwd()).free
+
+
+def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
+    """The run's start-up checks (out dir, resume rule, target digests, frozen parts, layers, mask id, data
+    spec, NaN/inf in the frozen weights) and its plan; raises as the run would, writes nothing."""
+    out = Path(cfg.out)
+    resuming = check_out_dir(out, "run")
+    check_resume_rule(cfg)
+    with Cache.open(cfg.cache) as cache:
+        frozen, drafter_cfg, spec = checked_parts(cfg, cache, StartupClock())
+        check_frozen_finite(cache, frozen)
+        manifest = cache.manifest
+        total_steps = estimate_total_steps(manifest, cfg, world_size)
+        with torch.device("meta"):  # shapes only: no memory, no init
+            params = sum(p.numel() for p in DFlashDrafter(drafter_cfg).parameters() if p.requires_grad)
+        checkpoint = params * CHECKPOINT_BYTES_PER_PARAM
+        # `keep_checkpoints` committed, plus the one being written before the oldest is removed.
+        checkpoints_disk = checkpoint * (cfg.keep_checkpoints + 1)
+        return {
+            "cache": str(cache.path),
+            "codec": manifest.codec.get("name"),
+            "rows": manifest.rows,
+            "tokens": manifest.tokens,
+            "target_layers": list(drafter_cfg.target_layer_ids),
+            "draft_layers": drafter_cfg.num_hidden_layers,
+            "block_size": drafter_cfg.block_size,
+            "mask_token_id": drafter_cfg.mask_token_id,
+            "hidden_size": drafter_cfg.hidden_size,
+            "params": params,
+            "world_size": world_size,
+            "epochs": cfg.optim.epochs,
+            "max_steps": cfg.optim.max_steps,
+            "total_steps": total_steps,
+            "warmup_steps": round(cfg.optim.warmup_frac * total_steps),
+            "heldout_fraction": spec.heldout_fraction,
+            "heldout_rows": len(spec.heldout_rows),
+            "out": str(out),
+            "resume": bool(resuming and cfg.resume),
+            "checkpoint_bytes": checkpoint,
+            "checkpoints_disk_bytes": checkpoints_disk,
+            "free_bytes": _free_bytes(out),
+        }
+
+
+def print_plan(plan: dict[str, Any]) -> None:
+    fits = plan["checkpoints_disk_bytes"] <= plan["free_bytes"]
+    steps = f"~{plan['total_steps']:,} optimizer steps ({plan['epochs']} epochs"
+    steps += f", capped by --max-steps {plan['max_steps']}" if plan["max_steps"] else ""
+    steps += f", world {plan['world_size']}), warmup {plan['warmup_steps']:,}"
+    held = f"{plan['heldout_fraction']:.1%} of the rows"
+    held += f" and {plan['heldout_rows']:,} rows from --eval-rows" if plan["heldout_rows"] else ""
+    lines = [
+        ("cache", f"{plan['cache']} ({plan['codec']}, {plan['rows']:,} rows, {plan['tokens']:,} tokens)"),
+        (
+            "drafter",
+            f"{plan['draft_layers']} layers, hidden {plan['hidden_size']}, block {plan['block_size']}, "
+            f"{plan['params'] / 1e6:.1f}M trained parameters, mask token {plan['mask_token_id']}",
+        ),
+        ("features", f"target layers {plan['target_layers']}"),
+        ("schedule", steps),
+        ("held out", f"{held}, never trained on"),
+        (
+            "checkpoints",
+            f"{size_text(plan['checkpoint_bytes'])} each, up to {size_text(plan['checkpoints_disk_bytes'])} on disk; "
+            f"{size_text(plan['free_bytes'])} free under {plan['out']}: {'fits' if fits else 'DOES NOT FIT'}",
+        ),
+        ("out", f"{plan['out']} ({'resumes its latest checkpoint' if plan['resume'] else 'a new run'})"),
+    ]
+    for name, text in lines:
+        print(f"{name:12s}{text}")
+    print(
+        "checks      passed: target digests, frozen weights finite, layers, mask token, data spec, --out rule"
+    )
+
+
+def world_size_from_env() -> int:
+    """The WORLD_SIZE torchrun would set (1 outside torchrun): the step count divides by it."""
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")))

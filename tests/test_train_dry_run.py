@@ -44,7 +44,7 @@ def test_plan_matches_the_run_and_writes_nothing(cache: Path, tmp_path: Path, ca
     drafter = DFlashDrafter(drafter_cfg)
     trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     assert result["params"] == trained and result["checkpoint_bytes"] == 12 * trained
-    assert result["checkpoints_disk_bytes"] == 12 * trained * (cfg.keep_checkpoints + 1)
+    assert result["checkpoints_disk_bytes"] == 12 * trained * (cfg.keep_checkpoints + 1) + 4 * trained
     assert plan["checks"].startswith("passed") and "fits" in plan["checkpoints"]
 
 
@@ -75,3 +75,8 @@ def test_a_run_directory_with_checkpoints_needs_resume(cache: Path, tmp_path: Pa
     plan = _plan(capsys, [*tiny_train_argv(cache, run), "--resume"])
     assert "resumes its latest checkpoint" in plan["out"]
     assert sorted(os.listdir(run)) == before
+    # The planned size is what a checkpoint weighs (its JSON files and headers aside).
+    predicted = dry_run_module.dry_run(build_config([*tiny_train_argv(cache, run), "--resume"]))
+    (latest,) = (run / "checkpoints").glob("step_*")
+    weighed = sum((latest / f).stat().st_size for f in ("model.safetensors", "optimizer.safetensors"))
+    assert predicted["checkpoint_bytes"] <= weighed <= predicted["checkpoint_bytes"] * 1.1

@@ -27,8 +27,10 @@ from .model import DFlashDrafter
 from .run_parts import check_resume_rule, checked_parts
 from .startup import StartupClock
 
-# A checkpoint holds the fp32 master weights and AdamW's two fp32 moments per parameter.
+# A checkpoint holds the fp32 master weights and AdamW's two fp32 moments per parameter; RUN/best only the
+# weights.
 CHECKPOINT_BYTES_PER_PARAM = 12
+BEST_BYTES_PER_PARAM = 4
 
 
 def _free_bytes(path: Path) -> int:
@@ -53,8 +55,8 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
         with torch.device("meta"):  # shapes only: no memory, no init
             params = sum(p.numel() for p in DFlashDrafter(drafter_cfg).parameters() if p.requires_grad)
         checkpoint = params * CHECKPOINT_BYTES_PER_PARAM
-        # `keep_checkpoints` committed, plus the one being written before the oldest is removed.
-        checkpoints_disk = checkpoint * (cfg.keep_checkpoints + 1)
+        # `keep_checkpoints` committed, the one being written before the oldest is removed, and RUN/best.
+        checkpoints_disk = checkpoint * (cfg.keep_checkpoints + 1) + params * BEST_BYTES_PER_PARAM
         return {
             "cache": str(cache.path),
             "codec": manifest.codec.get("name"),

@@ -12,9 +12,9 @@ from dflash.shards import Cache, load_manifest
 from dflash.train import dry_run as dry_run_module
 from dflash.train.cli import build_config
 from dflash.train.cli import main as train_main
-from dflash.train.config import estimate_total_steps
 from dflash.train.model import DFlashDrafter
 from dflash.train.run_parts import checked_parts
+from dflash.train.schedule import estimate_total_steps
 from dflash.train.startup import StartupClock
 
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 from dflash.shards.errors import ManifestMismatch
 from dflash.train import checkpoint as ckpt
-from dflash.train.config import lr_at, tiny_debug
+from dflash.train.config import tiny_debug
 from dflash.train.export import load_drafter
 from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask
 from dflash.train.metrics import read_metrics
+from dflash.train.schedule import lr_at
 from dflash.train.startup import PHASES
 from dflash.train.trainer import Trainer, train
 

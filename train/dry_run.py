@@ -21,10 +21,11 @@ from dflash.shards import Cache
 from dflash.shards.outdir import check_out_dir
 from dflash.shards.units import size_text
 
-from .config import TrainConfig, estimate_total_steps
+from .config import TrainConfig
 from .guards import check_frozen_finite
 from .model import DFlashDrafter
 from .run_parts import check_resume_rule, checked_parts
+from .schedule import estimate_total_steps
 from .startup import StartupClock
 
 # A checkpoint holds the fp32 master weights and AdamW's two fp32 moments per parameter; RUN/best only the

@@ -29,7 +29,7 @@ from dflash.shards.atomic import atomic_write_json
 from . import checkpoint as ckpt
 from .checkpoint_files import LOADER_FIELDS, CheckpointError, check_loader_state, read_meta
 from .compiled import speed_up
-from .config import TrainConfig, estimate_total_steps, lr_at
+from .config import TrainConfig
 from .data_spec import DataSpec
 from .evaluate import EvalSet, build_eval_set, evaluate
 from .export import export_drafter
@@ -50,6 +50,7 @@ from .parallelize import (
     wrap_model,
 )
 from .run_parts import open_run
+from .schedule import estimate_total_steps, lr_at
 from .slot_weights import ReachWeights
 from .startup import StartupClock, describe
 

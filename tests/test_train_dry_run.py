@@ -80,3 +80,9 @@ def test_a_run_directory_with_checkpoints_needs_resume(cache: Path, tmp_path: Pa
     (latest,) = (run / "checkpoints").glob("step_*")
     weighed = sum((latest / f).stat().st_size for f in ("model.safetensors", "optimizer.safetensors"))
     assert predicted["checkpoint_bytes"] <= weighed <= predicted["checkpoint_bytes"] * 1.1
+
+
+def test_a_bad_world_size_is_named(cache: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "eight")
+    assert train_main([*tiny_train_argv(cache, tmp_path / "run"), "--dry-run"]) != 0
+    assert "WORLD_SIZE='eight': expected a whole number >= 1" in capsys.readouterr().err

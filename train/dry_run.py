@@ -117,4 +117,9 @@ def print_plan(plan: dict[str, Any]) -> None:
 
 def world_size_from_env() -> int:
     """The WORLD_SIZE torchrun would set (1 outside torchrun): the step count divides by it."""
-    return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(
+            f"WORLD_SIZE={text!r:.40}: expected a whole number >= 1 (the processes torchrun starts)"
+        )
+    return int(text)

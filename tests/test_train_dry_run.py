@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from common.fake_cache import write_fake_cache
+from common.hostile import resign_manifest
 from common.train_cli import tiny_train_argv
 from dflash.shards import Cache, load_manifest
 from dflash.train import dry_run as dry_run_module
@@ -46,6 +47,7 @@ def test_plan_matches_the_run_and_writes_nothing(cache: Path, tmp_path: Path, ca
     assert result["params"] == trained and result["checkpoint_bytes"] == 12 * trained
     assert result["checkpoints_disk_bytes"] == 12 * trained * (cfg.keep_checkpoints + 1) + 4 * trained
     assert plan["checks"].startswith("passed") and "fits" in plan["checkpoints"]
+    assert plan["not cached"] == "none: every dataset row is in the cache"
 
 
 def test_a_disk_too_small_for_the_checkpoints_is_said(
@@ -86,3 +88,14 @@ def test_a_bad_world_size_is_named(cache: Path, tmp_path: Path, capsys, monkeypa
     monkeypatch.setenv("WORLD_SIZE", "eight")
     assert train_main([*tiny_train_argv(cache, tmp_path / "run"), "--dry-run"]) != 0
     assert "WORLD_SIZE='eight': expected a whole number >= 1" in capsys.readouterr().err
+
+
+def test_rows_extraction_skipped_are_counted_by_reason(cache: Path, tmp_path: Path, capsys) -> None:
+    def two_skipped(d: dict) -> None:
+        d["dataset"]["rows"] = 27
+        d["skipped"] = [{"row": 24, "reason": "overlong"}, {"row": 25, "reason": "empty"}]
+        d["skipped"].append({"row": 26, "reason": "overlong"})
+
+    resign_manifest(cache, two_skipped)
+    plan = _plan(capsys, tiny_train_argv(cache, tmp_path / "run"))
+    assert plan["not cached"] == "1 empty, 2 overlong (rows extraction skipped)"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
             "codec": manifest.codec.get("name"),
             "rows": manifest.rows,
             "tokens": manifest.tokens,
+            "skipped": dict(Counter(str(s.get("reason", "?")) for s in manifest.skipped)),
             "target_layers": list(drafter_cfg.target_layer_ids),
             "draft_layers": drafter_cfg.num_hidden_layers,
             "block_size": drafter_cfg.block_size,
@@ -93,6 +95,13 @@ def print_plan(plan: dict[str, Any]) -> None:
     held += f" and {plan['heldout_rows']:,} rows from --eval-rows" if plan["heldout_rows"] else ""
     lines = [
         ("cache", f"{plan['cache']} ({plan['codec']}, {plan['rows']:,} rows, {plan['tokens']:,} tokens)"),
+        (
+            "not cached",
+            ", ".join(f"{n:,} {why}" for why, n in sorted(plan["skipped"].items()))
+            + " (rows extraction skipped)"
+            if plan["skipped"]
+            else "none: every dataset row is in the cache",
+        ),
         (
             "drafter",
             f"{plan['draft_layers']} layers, hidden {plan['hidden_size']}, block {plan['block_size']}, "

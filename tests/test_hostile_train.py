@@ -281,3 +281,45 @@ def test_empty_cache_is_an_error(tmp_path: Path, capsys) -> None:
     cache = write_fake_cache(tmp_path / "cache", num_samples=0)
     line = _refused(capsys, tiny_train_argv(cache, tmp_path / "run", *QUIET))
     assert "holds no samples (0 rows skipped at extraction): nothing to train on" in line
+
+
+# --- shards missing or cut short: found by stat before step 1, not when the loader reaches them -------------------
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "a directory"])
+def test_a_shard_not_as_recorded_is_refused_before_step_one(cache: Path, capsys, damage: str) -> None:
+    shard = cache / "shards" / "shard-000002.dfs"  # the last one: the loader would reach it last
+    size = shard.stat().st_size
+    if damage == "missing":
+        shard.unlink()
+    elif damage == "truncated":
+        with shard.open("r+b") as f:
+            f.truncate(size - 100)
+    else:
+        shard.unlink()
+        shard.mkdir()
+    run = cache.parent / "run"
+    message = _refused(capsys, tiny_train_argv(cache, run, *QUIET))
+    expected = {
+        "missing": "missing, the manifest lists it",
+        "truncated": f"{size - 100} bytes, the manifest records {size}",
+        "a directory": "not a regular file",
+    }[damage]
+    assert message.startswith(f"{PROG}: error: 1 of 3 shards are not as the manifest records: {shard}: ")
+    assert expected in message
+    assert "--on-corrupt skip" in message
+    assert not (run / "metrics.jsonl").exists()
+    # The dry run, which makes the same checks, says the same.
+    assert _refused(capsys, [*tiny_train_argv(cache, cache.parent / "dry", *QUIET), "--dry-run"]) == message
+
+
+def test_under_skip_a_missing_shard_is_named_once_and_training_goes_on(cache: Path, caplog) -> None:
+    (cache / "shards" / "shard-000002.dfs").unlink()
+    run = cache.parent / "run"
+    argv = tiny_train_argv(cache, run, "--max-steps", "3", "--on-corrupt", "skip", *QUIET)
+    with caplog.at_level("WARNING"):
+        assert train_cli.main(argv) == 0
+    warned = [r.getMessage() for r in caplog.records if "shards will be skipped" in r.getMessage()]
+    assert (
+        len(warned) == 1 and "1 of 3 shards will be skipped" in warned[0] and "shard-000002.dfs" in warned[0]
+    )

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from dflash.shards import Cache
+from dflash.shards import Cache, ShardError
 from dflash.shards.layers import resolve_layer_ids
 from dflash.shards.outdir import claim_out_dir
 from dflash.shards.target_files import check_target_files
@@ -97,6 +97,8 @@ def checked_parts(
     checked against the others and `target/` against the manifest's digests; nothing is written."""
     with clock.phase("target_files"):  # every byte as extraction wrote it, before any is read or trusted
         check_target_files(cfg.cache, cache.manifest.target_files)
+    with clock.phase("cache_open"):  # timed in two parts: Cache.open, then this stat pass
+        check_shard_files(cache, cfg.data.on_corrupt)
     with clock.phase("frozen_read"):  # headers and config: the weights stay mmap'd, unread
         frozen = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
         layer_ids = resolve_layer_ids(
@@ -116,6 +118,22 @@ def checked_parts(
         check_trainable(cache, frozen)
         spec = DataSpec.for_run(cfg, drafter_cfg, read_eval_rows(cfg.data.eval_rows))
     return frozen, drafter_cfg, spec
+
+
+def check_shard_files(cache: Cache, on_corrupt: str) -> None:
+    """Every listed shard present at its recorded size, by stat alone: under --on-corrupt fail a missing or
+    truncated shard is refused now, not when the loader reaches it hours in; under skip it is named once."""
+    problems = list(cache.shard_file_problems().values())
+    if not problems:
+        return
+    listed = len(cache.manifest.shards)
+    first = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+    if on_corrupt == "fail":
+        raise ShardError(
+            f"{len(problems)} of {listed} shards are not as the manifest records: {first} (restore them, or "
+            "pass --on-corrupt skip to train without them; `dflash-shards verify` checks every shard)"
+        )
+    log.warning("%d of %d shards will be skipped (--on-corrupt skip): %s", len(problems), listed, first)
 
 
 def _frozen_on_device(

@@ -8,7 +8,7 @@
 Phases, in the order they run (`PHASES`; one not reached reads 0):
     process_group     torchrun's process group, the CUDA device (its context)
     run_dir           --out claimed, interrupted saves cleaned, the checkpoint check, seeds (ranks meet here)
-    cache_open        the manifest read and checked
+    cache_open        the manifest read and checked, each listed shard stat'ed (present, its recorded size)
     target_files      CACHE/target/'s files hashed and compared with the manifest's digests (reads them whole)
     frozen_read       frozen target headers and config, layers, drafter config, cache checks (no weight data)
     frozen_to_device  embed/lm_head copied to the device in their stored dtype, then cast there

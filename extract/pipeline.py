@@ -47,6 +47,7 @@ from .units import (
     check_or_write_manifest,
     committed_units,
     drop_unreadable_shards,
+    reopen_for_lost_shards,
     wait_for_claim,
     wait_for_other_ranks,
 )
@@ -255,6 +256,8 @@ def _open_cache(s: _Setup, out: Path, locks: RunLocks) -> bool:
         if os.path.lexists(out / MANIFEST_NAME)
         else None
     )
+    if current is not None and current.complete:
+        current = reopen_for_lost_shards(out, current)
     if current is None or not current.complete:
         remove_stale_temp_files(out)
         committed = drop_unreadable_shards(out, committed_units(out))

@@ -187,6 +187,39 @@ def check_or_write_manifest(cache_dir: Path, expected: Manifest, *, write: bool)
     return expected
 
 
+def reopen_for_lost_shards(cache_dir: Path, manifest: Manifest) -> Manifest:
+    """A complete cache whose listed shards are missing or cut short is marked incomplete again, so the same
+    command extracts them again (as it resumes any extraction); a shard of another size that reads whole is
+    another cache's, and is refused rather than deleted."""
+    from dflash.shards.cache import shard_file_problems
+    from dflash.shards.reader import ShardReader
+
+    problems = shard_file_problems(cache_dir, manifest.shards)
+    if not problems:
+        return manifest
+    for name, problem in problems.items():
+        path = shard_path(cache_dir, name)
+        if not path.is_file():
+            continue
+        try:
+            ShardReader.open(path).close()
+        except (ShardError, OSError):
+            continue  # cut short: `drop_unreadable_shards` removes it and its unit is redone
+        raise ShardError(
+            f"{problem}, yet it reads as a whole shard: not the one this cache lists; move it out of the "
+            "cache and re-run this command to extract it again"
+        )
+    log.warning(
+        "%d of %d shards of this complete cache are missing or cut short (%s): extracting them again",
+        len(problems),
+        len(manifest.shards),
+        "; ".join(list(problems.values())[:3]),
+    )
+    manifest.complete = False
+    save_manifest(cache_dir, manifest)  # a repair cut short resumes like any extraction
+    return manifest
+
+
 def drop_unreadable_shards(cache_dir: Path, committed: set[int]) -> set[int]:
     """Remove committed shards whose footer does not parse (a disk error after commit): they are redone."""
     from dflash.shards.reader import ShardReader

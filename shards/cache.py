@@ -32,6 +32,27 @@ class CacheEntry:
     index: int
 
 
+def shard_file_problems(cache_dir: Path, shards: Sequence[ShardInfo]) -> dict[str, str]:
+    """name -> one line for each of `shards` that is not on disk as a regular file of its recorded size. Stat
+    only, no read: a run checks thousands of shards in a second before its first step, instead of meeting a
+    missing one hours in."""
+    problems: dict[str, str] = {}
+    for info in shards:
+        path = Path(cache_dir) / SHARDS_DIR / info.name
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            problems[info.name] = f"{path}: missing, the manifest lists it"
+        except OSError as exc:
+            problems[info.name] = f"{path}: cannot be read ({exc.strerror})"
+        else:
+            if not stat.S_ISREG(st.st_mode):
+                problems[info.name] = f"{path}: not a regular file"
+            elif st.st_size != info.bytes:
+                problems[info.name] = f"{path}: {st.st_size} bytes, the manifest records {info.bytes}"
+    return problems
+
+
 class Cache:
     """A cache directory; open with `Cache.open(path)`. Shards open lazily and are shared by threads."""
 
@@ -140,24 +161,8 @@ class Cache:
             return reader
 
     def shard_file_problems(self) -> dict[str, str]:
-        """name -> one line for each shard the manifest lists that is not on disk as a regular file of the
-        recorded size. Stat only, no read: a run checks thousands of shards in a second before its first
-        step, instead of meeting a missing one hours in."""
-        problems: dict[str, str] = {}
-        for info in self.manifest.shards if self._from_manifest else ():
-            path = self.path / SHARDS_DIR / info.name
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                problems[info.name] = f"{path}: missing, the manifest lists it"
-            except OSError as exc:
-                problems[info.name] = f"{path}: cannot be read ({exc.strerror})"
-            else:
-                if not stat.S_ISREG(st.st_mode):
-                    problems[info.name] = f"{path}: not a regular file"
-                elif st.st_size != info.bytes:
-                    problems[info.name] = f"{path}: {st.st_size} bytes, the manifest records {info.bytes}"
-        return problems
+        """`shard_file_problems` of the shards the manifest lists (none for a cache still being written)."""
+        return shard_file_problems(self.path, self.manifest.shards) if self._from_manifest else {}
 
     def check_rows_once(self) -> None:
         """Read every shard's index now (no sample data) so that a row stored twice is refused before any work

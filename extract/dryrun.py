@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dflash.shards.codec_costs import codec_table, format_codec_table
 from dflash.shards.outdir import check_out_dir
-from dflash.shards.units import size_text
+from dflash.shards.sizes import size_text
 
 from .config import ExtractConfig
 from .plan import estimate_cache_bytes, plan_stats

@@ -26,7 +26,8 @@ q4, the table's figure (2026-12-02, one H200, `bench_quality.py --size full --un
 of the schedule, a drafter walking 1.53x prompt lookup, three seeds): walk 4.414 / 4.472 / 4.384 against the
 lossless cache's 4.371 / 4.492 / 4.418 on the same instance and seeds (trained the session before, with the same
 training code), per seed +1.0%, -0.4%, -0.8%, mean -0.1%. The q4 drafters were scored on q4 features, the
-lossless ones on lossless features: serving hands the drafter the exact states, so this cost is an upper bound.
+lossless ones on lossless features: serving hands the drafter the exact states, so this figure more likely
+overstates q4's cost than understates it.
 Before that, q4 (2026-12-01, this CPU box, `bench_quality.py --size cpu --device cpu --codecs lossless,q4 --fractions 1
 --variants "a64=--lr 1e-3" --seeds 2`, 1500 steps): walk 1.776 / 1.913 against lossless's 1.746 / 1.850, per
 seed +1.7% / +3.4%; two more seeds (2026-12-02, `... --seeds 1 --first-seed 2 --variants "a64=--lr 1e-3 --gamma 4"`,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from dflash.shards import Cache
 from dflash.shards.outdir import check_out_dir
-from dflash.shards.units import size_text
+from dflash.shards.sizes import size_text
 
 from .config import TrainConfig
 from .guards import check_frozen_finite

@@ -1,13 +1,15 @@
 """Everything a run needs before its drafter exists, checked against each other (`Trainer.build`'s first half).
 
     open_run(cfg, clock) -> RunParts(info, cache, frozen, drafter_cfg, spec)
-    checked_parts(cfg, cache, clock) -> (frozen, drafter_cfg, spec): its checks that write nothing (--dry-run)
-        process group and device; the --out rule, interrupted saves cleaned, seeds; the cache; its target/
-        files against the manifest's digests (`shards.target_files`: zeroed bytes in the frozen weights are
-        finite, no later check sees them); its frozen target parts and the layers and drafter shape they
-        imply, checked against the cache
-        (`cache_checks.check_cache`, `guards.check_trainable`); the frozen weights copied to the device as
-        stored, NaN/inf-counted there (`guards.check_frozen_finite`), then cast there to the compute dtype.
+        process group and device; the --out rule, interrupted saves cleaned, seeds; the cache; then
+        `checked_parts`; the frozen weights copied to the device as stored, NaN/inf-counted there
+        (`guards.check_frozen_finite`), then cast there to the compute dtype.
+    checked_parts(cfg, cache, clock) -> (frozen, drafter_cfg, spec)
+        the checks that write nothing (`--dry-run` makes them too): every listed shard present at its
+        recorded size (stat only); target/'s files against the manifest's digests (`shards.target_files`:
+        zeroed bytes in the frozen weights are finite, no later check sees them); the frozen target parts
+        and the layers and drafter shape they imply, checked against the cache (`cache_checks.check_cache`,
+        `guards.check_trainable`).
 Each piece is timed into the launch's `StartupClock` (`startup.py`). On failure the cache is closed.
 """
 
@@ -94,11 +96,11 @@ def checked_parts(
     cfg: TrainConfig, cache: Cache, clock: StartupClock
 ) -> tuple[FrozenTarget, DrafterConfig, DataSpec]:
     """The frozen target (mmap'd, as stored), the drafter's shape and the data spec of `cfg` on `cache`, each
-    checked against the others and `target/` against the manifest's digests; nothing is written."""
-    with clock.phase("target_files"):  # every byte as extraction wrote it, before any is read or trusted
-        check_target_files(cfg.cache, cache.manifest.target_files)
+    checked against the others, after the shards (stat) and `target/` (digests); nothing is written."""
     with clock.phase("cache_open"):  # timed in two parts: Cache.open, then this stat pass
         check_shard_files(cache, cfg.data.on_corrupt)
+    with clock.phase("target_files"):  # every byte as extraction wrote it, before any is read or trusted
+        check_target_files(cfg.cache, cache.manifest.target_files)
     with clock.phase("frozen_read"):  # headers and config: the weights stay mmap'd, unread
         frozen = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
         layer_ids = resolve_layer_ids(

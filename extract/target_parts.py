@@ -15,7 +15,7 @@ import torch
 from dflash.shards.errors import ShardError
 from dflash.shards.safe_io import read_json
 from dflash.shards.target_config import CONFIG_NAME, read_target_config
-from dflash.shards.target_parts import EXTRA_FILES
+from dflash.shards.target_parts import EMBED_KEY, EXTRA_FILES, FINAL_NORM_KEY, LM_HEAD_KEY
 from dflash.shards.target_parts import write_target_parts as write_parts
 from safetensors import safe_open
 
@@ -26,6 +26,10 @@ EMBED_NAMES = (
     "language_model.model.embed_tokens.weight",
 )
 LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
+FINAL_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight")
+# Model types whose RMSNorm multiplies by (1 + weight) (weights stored centred at zero), the others by weight.
+ZERO_CENTRED_NORMS = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+KNOWN_NORMS = ZERO_CENTRED_NORMS | {"qwen2", "qwen3", "qwen3_moe"}
 
 
 def _weight_map(target: Path) -> dict[str, Path]:
@@ -91,6 +95,36 @@ def read_frozen(
     return embed, head
 
 
+def read_final_norm_gain(target: str | Path) -> torch.Tensor | None:
+    """The final RMSNorm's effective gain [H] in fp32 (weight, or 1 + weight for zero-centred norms), or
+    None for a model type whose norm is not known here or a checkpoint without the tensor: distillation then
+    refuses at training time, nothing else needs it."""
+    target = Path(target)
+    config = read_target_config(target)
+    text_type = str(config.decoder.get("model_type", config.model_type))
+    if text_type not in KNOWN_NORMS and config.model_type not in KNOWN_NORMS:
+        return None
+    weights = _weight_map(target)
+    name = next((n for n in FINAL_NORM_NAMES if n in weights), None)
+    if name is None:
+        return None
+    weight = _read(weights, name).float()
+    centred = text_type in ZERO_CENTRED_NORMS or config.model_type in ZERO_CENTRED_NORMS
+    return 1.0 + weight if centred else weight
+
+
+def frozen_tensors(target: str | Path, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """What CACHE/target/frozen.safetensors stores, by its key names."""
+    embed, head = read_frozen(target, dtype)
+    tensors = {EMBED_KEY: embed}
+    if head is not None:
+        tensors[LM_HEAD_KEY] = head
+    gain = read_final_norm_gain(target)
+    if gain is not None:
+        tensors[FINAL_NORM_KEY] = gain
+    return tensors
+
+
 def write_target_parts(
     cache_dir: str | Path,
     target: str | Path,
@@ -103,7 +137,7 @@ def write_target_parts(
     return write_parts(
         cache_dir,
         config_bytes=(target / CONFIG_NAME).read_bytes(),
-        frozen=lambda: read_frozen(target, dtype),
+        frozen=lambda: frozen_tensors(target, dtype),
         extra_files={name: target / name for name in EXTRA_FILES if (target / name).is_file()},
         source=str(target),
         recorded=recorded,

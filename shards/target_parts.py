@@ -2,7 +2,11 @@
 
     CACHE/target/config.json          the target's config.json, byte for byte
     CACHE/target/frozen.safetensors   embed_tokens.weight [V, H] and lm_head.weight [V, H] (bf16);
-                                      a tied target (`tie_word_embeddings: true`) stores no lm_head.weight
+                                      a tied target (`tie_word_embeddings: true`) stores no lm_head.weight;
+                                      final_norm.gain [H] (fp32): the final RMSNorm's effective per-channel
+                                      gain (its weight, or 1 + weight where the model centres it at zero),
+                                      so training can turn the cached last layer into the target's logits
+                                      (distillation); caches written before it have none
     CACHE/target/<tokenizer files>    tokenizer, chat-template and generation files the target has
 
 A tied target (Qwen3-0.6B/1.7B/4B) keeps ONE matrix, as its checkpoint does: safetensors refuses two
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 FROZEN_NAME = "frozen.safetensors"
 EMBED_KEY = "embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
+FINAL_NORM_KEY = "final_norm.gain"
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors' names; fp8 or integer tables are refused
 # Tokenizer, chat template and generation defaults: small files a drafter export or a demo may need.
 EXTRA_FILES = (
@@ -67,6 +72,7 @@ class TargetParts:
     config: TargetConfig
     embed: torch.Tensor
     lm_head: torch.Tensor
+    final_norm_gain: torch.Tensor | None = None  # [H] fp32; None in caches written before it was stored
 
     @property
     def tied(self) -> bool:
@@ -81,15 +87,16 @@ def write_target_parts(
     cache_dir: str | os.PathLike,
     *,
     config_bytes: bytes,
-    frozen: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+    frozen: Callable[[], Mapping[str, torch.Tensor]],
     extra_files: Mapping[str, Path],
     source: str,
     recorded: Mapping[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Write CACHE/target/, check it and return its files' digests (the manifest's `target_files`). One
     that holds the same config.json and matches `recorded` (the manifest's digests) is kept as it is (and
-    checked), so `frozen()` -> (embed, lm_head or None when tied) reads the weights only when they are
-    written; one nothing vouches for (no digests: an older cache, or a crash before they were recorded)
+    checked), so `frozen()` -> {EMBED_KEY: ..., LM_HEAD_KEY unless tied, FINAL_NORM_KEY when known} reads the
+    weights only when they are written; one without the final norm's gain (written before it was stored) is
+    written again to add it; one nothing vouches for (no digests: an older cache, or a crash before they were recorded)
     or that differs from them (damaged since) is written again. Every failure is one line naming the file."""
     final = target_dir(cache_dir)
     if (final / CONFIG_NAME).is_file() and (final / FROZEN_NAME).is_file():
@@ -97,20 +104,22 @@ def write_target_parts(
             log.warning("%s holds another target's parts; replacing them", final)
         elif recorded:
             damaged = target_file_problems(final, recorded)
-            if not damaged:
+            if not damaged and FINAL_NORM_KEY not in _shapes(final / FROZEN_NAME):
+                log.info("%s: adding the final norm's gain (distillation needs it)", final)
+            elif not damaged:
                 check_target_parts(cache_dir)
                 return dict(recorded)
-            log.warning("%s: %s differ from the manifest's record; rewriting them", final, ", ".join(damaged))
+            else:
+                log.warning(
+                    "%s: %s differ from the manifest's record; rewriting them", final, ", ".join(damaged)
+                )
     unknown = sorted(set(extra_files) - set(EXTRA_FILES))
     if unknown:
         raise ValueError(f"not target part names: {unknown} (known: {', '.join(EXTRA_FILES)})")
     tmp = fresh_temp_dir(final)  # a link planted under the temp name is removed, never followed
     try:
         (tmp / CONFIG_NAME).write_bytes(config_bytes)
-        embed, lm_head = frozen()
-        tensors = {EMBED_KEY: embed.contiguous()}
-        if lm_head is not None:
-            tensors[LM_HEAD_KEY] = lm_head.contiguous()
+        tensors = {name: t.contiguous() for name, t in frozen().items()}
         _save_frozen(tensors, tmp / FROZEN_NAME, final / FROZEN_NAME, source)
         for name, path in extra_files.items():
             shutil.copyfile(path, tmp / name)
@@ -182,6 +191,11 @@ def check_target_parts(cache_dir: str | os.PathLike) -> TargetConfig:
             raise ShardError(
                 f"{frozen_path}: {key} is {shape}, config.json says [vocab_size, hidden_size] = {expected}"
             )
+        if key == FINAL_NORM_KEY and (shape != [config.hidden_size] or dtype not in FLOAT_DTYPES):
+            raise ShardError(
+                f"{frozen_path}: {key} is {dtype} {shape}, not a float vector of hidden_size "
+                f"{config.hidden_size}"
+            )
     return config
 
 
@@ -191,5 +205,7 @@ def read_target_parts(cache_dir: str | os.PathLike) -> TargetParts:
     directory = target_dir(cache_dir)
     with safe_open(str(directory / FROZEN_NAME), framework="pt", device="cpu") as f:
         embed = f.get_tensor(EMBED_KEY)
-        lm_head = f.get_tensor(LM_HEAD_KEY) if LM_HEAD_KEY in f.keys() else embed  # noqa: SIM118
-    return TargetParts(directory=directory, config=config, embed=embed, lm_head=lm_head)
+        keys = set(f.keys())
+        lm_head = f.get_tensor(LM_HEAD_KEY) if LM_HEAD_KEY in keys else embed
+        gain = f.get_tensor(FINAL_NORM_KEY).float() if FINAL_NORM_KEY in keys else None
+    return TargetParts(directory=directory, config=config, embed=embed, lm_head=lm_head, final_norm_gain=gain)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from dflash.train.blocks import SequenceInput, make_packed_batch
 from dflash.train.config import default_gamma
 from dflash.train.frozen import FrozenTarget
-from dflash.train.loss import LossStats, drafter_loss, linear_cross_entropy
+from dflash.train.loss import Distill, LossStats, drafter_loss, linear_cross_entropy, teacher_rows
 from dflash.train.mask import build_attention_mask
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
@@ -175,3 +175,82 @@ def test_loss_memory_stays_bounded_on_gpu() -> None:
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < 3 * chunk * vocab * 4 + 4 * rows * width * 4, f"{extra / 1e9:.2f} GB"
     assert torch.isfinite(hidden.grad).all()
+
+
+def _reference_distill_loss(model, frozen, batch, seqs, alpha: float, gain: torch.Tensor) -> torch.Tensor:
+    """Block by block, slot by slot: the soft label from the last feature at a + k - 1, decayed weights."""
+    logits = frozen.logits(model(batch, frozen.embed(batch.block_ids), build_attention_mask(batch, "dense")))
+    num, den, gamma = 0.0, 0.0, default_gamma(batch.block_size)
+    for n in range(batch.num_blocks):
+        s, a = int(batch.block_seq[n]), int(batch.anchor_pos[n])
+        if s < 0:
+            continue
+        ids, mask, feats = seqs[s].input_ids, seqs[s].loss_mask, seqs[s].features
+        for k in range(1, batch.block_size):
+            if a + k < len(ids) and mask[a + k]:
+                h = feats[a + k - 1, 32:]  # the last layer's raw output at a + k - 1
+                h = h * torch.rsqrt(h.pow(2).mean() + 1e-6) * gain
+                q = alpha * torch.softmax(frozen.logits(h), -1) + (1 - alpha) * F.one_hot(ids[a + k], 80)
+                w = torch.exp(torch.tensor(-(k - 1) / gamma))
+                num = num - w * (q * torch.log_softmax(logits[n, k], -1)).sum()
+                den = den + w
+    return num / den
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1.0])
+def test_distill_mixes_the_targets_distribution_at_the_state_before_each_slot(alpha: float) -> None:
+    """Slot k of the block at anchor a learns softmax(lm_head(norm(h_last[a + k - 1]))): the state whose own
+    output token is x[a + k], read from the batch's last feature (packed sequences, padding blocks)."""
+    torch.manual_seed(1)
+    cfg = DrafterConfig.from_target_config(
+        TARGET, mask_token_id=79, num_hidden_layers=1, block_size=5, target_layer_ids=[0, 3]
+    )
+    model = DFlashDrafter(cfg)
+    gain = torch.rand(32) + 0.5
+    frozen = FrozenTarget(torch.randn(80, 32), torch.randn(80, 32), TARGET, 79, gain)
+    seqs = [
+        SequenceInput(torch.randint(0, 79, (s,)), torch.arange(s) >= 3, torch.randn(s, 32 * cfg.num_features))
+        for s in (17, 11)
+    ]
+    batch = make_packed_batch(
+        seqs, block_size=5, mask_token_id=79, num_anchors=4, generator=torch.Generator().manual_seed(2),
+        pad_blocks_to_multiple=4,
+    )  # fmt: skip
+    loss, _ = drafter_loss(model, frozen, batch, chunk_rows=5, distill=Distill(alpha, feature_index=1))
+    loss.backward()
+    fused = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    reference = _reference_distill_loss(model, frozen, batch, seqs, alpha, gain)
+    torch.testing.assert_close(loss, reference.detach(), atol=1e-5, rtol=1e-5)
+    reference.backward()  # the fused backward is the soft label's gradient, softmax - q
+    for got, want in zip(fused, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_distill_zero_is_the_hard_label_loss() -> None:
+    torch.manual_seed(3)
+    hidden, weight = torch.randn(7, 8), torch.randn(12, 8)
+    labels, w = torch.randint(0, 12, (7,)), torch.rand(7)
+    hard, preds = linear_cross_entropy(hidden, weight, labels, w)
+    soft, soft_preds = linear_cross_entropy(hidden, weight, labels, w, teacher=torch.randn(7, 8), alpha=0.0)
+    torch.testing.assert_close(soft, hard)
+    assert torch.equal(preds, soft_preds)
+
+
+def test_teacher_rows_point_at_the_state_before_each_slot() -> None:
+    seqs = [
+        SequenceInput(torch.arange(s), torch.ones(s, dtype=torch.bool), torch.randn(s, 4)) for s in (9, 6)
+    ]
+    batch = make_packed_batch(seqs, block_size=4, mask_token_id=99, num_anchors=3,
+                              generator=torch.Generator().manual_seed(0), pad_blocks_to_multiple=8)  # fmt: skip
+    rows = teacher_rows(batch)
+    for n in range(batch.num_blocks):
+        s = int(batch.block_seq[n])
+        if s < 0:
+            continue
+        start = 0 if s == 0 else 9
+        for k in range(1, 4):
+            pos = int(batch.anchor_pos[n]) + k - 1
+            want = start + min(pos, len(seqs[s].input_ids) - 1)
+            assert int(rows[n, k - 1]) == want
+            assert int(batch.context_pos[rows[n, k - 1]]) == min(pos, len(seqs[s].input_ids) - 1)

@@ -183,7 +183,9 @@ def test_frozen_parts_from_checkpoint(tmp_path, kind: str, tie: bool) -> None:
     assert (parts / "tokenizer.json").is_file()
     with safe_open(parts / FROZEN_NAME, framework="pt") as f:  # a tied target stores its one matrix once
         assert sorted(f.keys()) == (
-            ["embed_tokens.weight"] if tie else ["embed_tokens.weight", "lm_head.weight"]
+            ["embed_tokens.weight", "final_norm.gain"]
+            if tie
+            else ["embed_tokens.weight", "final_norm.gain", "lm_head.weight"]
         )
     read = read_target_parts(tmp_path / "cache")
     assert read.embed.dtype == torch.bfloat16 and read.tied == tie
@@ -217,3 +219,36 @@ def test_frozen_parts_missing_lm_head_untied_is_an_error(tmp_path) -> None:
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ShardError, match="no lm_head"):
         read_frozen(path)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_last_layer_gives_the_targets_logits(tmp_path, kind: str) -> None:
+    """Distillation's teacher: the stored final-norm gain turns the last layer's raw output into the target's
+    own logits, for norms that scale by weight (qwen3) and by 1 + weight (qwen3_next, qwen3_5)."""
+    from dflash.train.frozen import FrozenTarget
+
+    path = make_target(tmp_path / "t", kind)
+    model = load_reference(path)
+    text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    with torch.no_grad():  # a gain far from 1, so weight and 1 + weight give different logits
+        text.norm.weight.copy_(torch.linspace(-0.5, 0.8, text.norm.weight.numel()))
+    model.save_pretrained(path)
+    write_target_parts(tmp_path / "cache", path)
+    parts = read_target_parts(tmp_path / "cache")
+    frozen = FrozenTarget(
+        parts.embed.float(), parts.lm_head.float(), parts.config.raw, 0, parts.final_norm_gain
+    )
+    captured = {}
+    text.layers[-1].register_forward_hook(
+        lambda _m, _i, out: captured.update(h=out[0] if isinstance(out, tuple) else out)
+    )
+    ids = torch.randint(0, 200, (1, 12))
+    with torch.inference_mode():
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+    ours = frozen.logits(frozen.final_norm(captured["h"].reshape(12, -1)))
+    # bf16 tables (as cached) against the fp32 model: close, and far from the wrong norm's logits
+    assert torch.allclose(ours, logits, atol=0.05, rtol=0.05), (ours - logits).abs().max()
+    wrong = FrozenTarget(frozen.embed_weight, frozen.lm_head_weight, {}, 0, parts.final_norm_gain - 1)
+    assert not torch.allclose(
+        wrong.logits(wrong.final_norm(captured["h"].reshape(12, -1))), logits, atol=0.05
+    )

@@ -112,6 +112,45 @@ def test_train_then_export_any_checkpoint(tmp_path: Path, capsys) -> None:
     assert "no checkpoint for step 9" in capsys.readouterr().err
 
 
+def test_distill_trains_from_the_cached_last_layer_or_says_what_it_lacks(tmp_path: Path, capsys) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from tests.common.hostile import record_target_files
+
+    cache = write_fake_cache(tmp_path / "cache", num_samples=20, samples_per_shard=10)
+    common = (
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--no-tensorboard",
+        "--no-plots",
+        "--num-draft-layers",
+        "1",
+    )
+    argv = tiny_train_argv(cache, tmp_path / "run", *common, "--distill", "0.5", "--target-layer-ids", "1,3")
+    assert cli.main(argv) == 0
+    assert all(np.isfinite(r["loss"]) for r in read_metrics(tmp_path / "run"))
+    # The teacher (last) layer need not be a feature: it is read beside them.
+    argv = tiny_train_argv(cache, tmp_path / "r2", *common, "--distill", "0.5", "--target-layer-ids", "1,2")
+    assert cli.main(argv) == 0
+    assert cli.main(["export", str(tmp_path / "r2"), "--out", str(tmp_path / "e2")]) == 0
+    assert load_drafter(tmp_path / "e2").config.target_layer_ids == (1, 2)  # the teacher stays out
+    small = write_fake_cache(tmp_path / "c3", num_samples=20, samples_per_shard=10, layers=(0, 1, 2))
+    argv = tiny_train_argv(small, tmp_path / "r4", *common, "--distill", "0.5", "--target-layer-ids", "1,2")
+    assert cli.main(argv) == 2
+    assert "--distill needs the target's last layer (3) in the cache" in capsys.readouterr().err
+    frozen = cache / "target" / "frozen.safetensors"  # a cache from before the gain was stored
+    tensors = load_file(str(frozen))
+    del tensors["final_norm.gain"]
+    save_file(tensors, str(frozen))
+    record_target_files(cache)
+    argv = tiny_train_argv(cache, tmp_path / "r3", *common, "--distill", "1", "--target-layer-ids", "3")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no final norm gain" in err and "re-run the same dflash-extract" in err and "\n" not in err
+
+
 def test_corrupt_sample_is_skipped_and_reported_or_fails(tmp_path: Path, capsys) -> None:
     from dflash.shards import ShardReader
     from dflash.train.data_plan import heldout_mask

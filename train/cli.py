@@ -104,6 +104,12 @@ def _train_parser() -> argparse.ArgumentParser:
         help="decay: exp(-(k-1)/gamma) (the paper); reach: follow the drafter's acceptance (slot_weights.py)",
     )
     model.add_argument("--mask-token-id", type=int, help="default: the first unused embedding row")
+    model.add_argument(
+        "--distill",
+        type=float,
+        help="share of the target's next-token distribution in each label, from its cached last layer "
+        "(0: hard labels; needs the last layer among --target-layer-ids)",
+    )
     opt = p.add_argument_group("optimizer")
     opt.add_argument("--lr", type=float)
     opt.add_argument("--min-lr-frac", type=float)

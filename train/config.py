@@ -81,9 +81,12 @@ class DraftSpec:
     gamma: float | None = None
     slot_weights: str = "decay"
     mask_token_id: int | None = None
+    distill: float = 0.0  # share of the target's distribution in each label (loss.Distill); 0: hard labels
 
     def __post_init__(self) -> None:
         _positive("num_draft_layers", self.num_draft_layers)
+        if not 0.0 <= self.distill <= 1.0:
+            raise ValueError(f"distill={self.distill}: must be in [0, 1] (0: hard labels, 1: the target's)")
         _positive("num_anchors", self.num_anchors)
         if self.block_size < 2:
             raise ValueError(

@@ -74,9 +74,14 @@ class DataSpec:
         **overrides: Any,
     ) -> DataSpec:
         """The spec a run with `cfg` trains and evaluates with; `overrides` replace single fields
-        (benchmarks use them, e.g. `loader_threads`)."""
+        (benchmarks use them, e.g. `loader_threads`). Distillation's teacher, the target's last layer, is
+        read after the drafter's features when it is not one of them (the drafter sees only its own)."""
+        layer_ids = drafter_cfg.target_layer_ids
+        teacher = drafter_cfg.num_target_layers - 1
+        if cfg.drafter.distill > 0 and teacher not in layer_ids:
+            layer_ids = (*layer_ids, teacher)
         spec = cls(
-            layer_ids=drafter_cfg.target_layer_ids,
+            layer_ids=layer_ids,
             block_size=drafter_cfg.block_size,
             mask_token_id=drafter_cfg.mask_token_id,
             num_anchors=cfg.drafter.num_anchors,

@@ -1,9 +1,12 @@
 """The target's frozen embedding and lm_head, read from a cache's `target/` folder (never trained or exported).
 
 Public API (stable):
-    FrozenTarget(embed_weight[V, H], lm_head_weight[V, H], config: dict, mask_token_id: int | None)
+    FrozenTarget(embed_weight[V, H], lm_head_weight[V, H], config: dict, mask_token_id: int | None,
+                 final_norm_gain[H] | None)
         .embed(ids) -> [..., H]; .logits(hidden) -> [..., V]; .to(device=None, dtype=None) -> FrozenTarget
-        .vocab_size, .hidden_size, .num_layers
+        .final_norm(last_layer_output[..., H]) -> [..., H]: the target's final RMSNorm (None gain: refused),
+            so `.logits(.final_norm(h))` are the target's own logits from its cached last layer
+        .vocab_size, .hidden_size, .num_layers, .norm_eps
     load_frozen_target(cache_dir, *, mask_token_id=None, device=None, dtype=None) -> FrozenTarget
         reads CACHE/target/ (`dflash.shards.target_parts`); mask_token_id defaults to the first unused
         embedding row (`default_mask_token_id`), an error when none is free and none is given; a given id
@@ -33,6 +36,7 @@ class FrozenTarget:
         lm_head_weight: torch.Tensor,
         config: dict[str, Any],
         mask_token_id: int | None = None,
+        final_norm_gain: torch.Tensor | None = None,
     ):
         if embed_weight.ndim != 2 or embed_weight.shape != lm_head_weight.shape:
             raise ValueError(
@@ -44,6 +48,7 @@ class FrozenTarget:
         self.lm_head_weight = self.embed_weight if tied else lm_head_weight.detach().requires_grad_(False)
         self.config = config
         self.mask_token_id = mask_token_id
+        self.final_norm_gain = None if final_norm_gain is None else final_norm_gain.detach().float()
 
     @property
     def vocab_size(self) -> int:
@@ -56,6 +61,18 @@ class FrozenTarget:
     @property
     def num_layers(self) -> int:
         return int(decoder_config(self.config)["num_hidden_layers"])
+
+    @property
+    def norm_eps(self) -> float:
+        return float(decoder_config(self.config).get("rms_norm_eps", 1e-6))
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's final RMSNorm in fp32, as its own forward computes it before the lm_head."""
+        if self.final_norm_gain is None:
+            raise ValueError("this cache's target/ holds no final norm gain (written by an older dflash-extract)")
+        x = hidden.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        return x * self.final_norm_gain
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.embed_weight)
@@ -70,7 +87,8 @@ class FrozenTarget:
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> FrozenTarget:
         embed = self.embed_weight.to(device=device, dtype=dtype)
         head = embed if self.tied else self.lm_head_weight.to(device=device, dtype=dtype)
-        return FrozenTarget(embed, head, self.config, self.mask_token_id)
+        gain = None if self.final_norm_gain is None else self.final_norm_gain.to(device=device)
+        return FrozenTarget(embed, head, self.config, self.mask_token_id, gain)
 
 
 def load_frozen_target(
@@ -94,5 +112,5 @@ def load_frozen_target(
         raise ValueError(f"mask_token_id {mask_token_id} outside the target vocabulary 0..{vocab - 1}")
     else:
         check_mask_token_id(target_dir, mask_token_id, vocab)
-    frozen = FrozenTarget(embed, head, config, mask_token_id)
+    frozen = FrozenTarget(embed, head, config, mask_token_id, parts.final_norm_gain)
     return frozen.to(device=device, dtype=dtype) if (device is not None or dtype is not None) else frozen

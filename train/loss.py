@@ -10,9 +10,16 @@ Public API (stable):
         Per chunk the CE terms (`chunk_terms`) run eagerly in place (peak ~ chunk x V x 6 bytes) or, with
         `compile_backend`, compiled into two fused passes over the bf16 logits.
     drafter_loss(model, frozen, batch, *, chunk_rows=None, attn_mask=None, normalizer=None,
-                 slot_scale=None, feature_noise_std=0.0, generator=None) -> (loss, LossStats)
+                 slot_scale=None, feature_noise_std=0.0, generator=None, distill=None) -> (loss, LossStats)
         the loss epilogue is compiled when the model's regions are (`compiled.speed_up`); `slot_scale` [B]
         multiplies the batch's weights slot by slot (`slot_weights.ReachWeights`).
+    Distill(alpha, feature_index): distillation from the target's own next-token distribution. The label of
+        each drafted slot becomes (1 - alpha) * onehot(token) + alpha * softmax(target logits), the target's
+        logits computed from its cached last layer (the `feature_index`-th feature of the batch) through its
+        final norm and lm_head: slot k of the block at anchor a reads the target's state at a + k - 1, the
+        position whose output token is x[a + k]. alpha = 1 is soft cross-entropy (KL to the target plus its
+        entropy, so its loss is not comparable with hard CE); statistics stay those of the hard labels.
+    teacher_rows(batch) -> LongTensor[N, B-1]: the context row of the target state that predicts each slot.
     LossStats: per-slot accuracy counts and acceptance tallies as device tensors (no host sync);
         `.merge(other)`, `.tensors()` for all-reduce, `.summary() -> dict[str, float]`.
 """
@@ -59,6 +66,28 @@ def _row_terms(
     return lse, ((lse - target) * scale).sum(), x.argmax(dim=-1)
 
 
+def soft_chunk_terms(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    scale: torch.Tensor,
+    need_grad: bool,
+    teacher_logits: torch.Tensor,
+    alpha: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`chunk_terms` against soft labels q = (1 - alpha) * onehot(labels) + alpha * softmax(teacher_logits):
+    per row lse(x) - q . x, whose gradient is softmax(x) - q."""
+    x = logits.float()
+    q = torch.softmax(teacher_logits.float(), dim=-1).mul_(alpha)
+    q.scatter_add_(1, labels[:, None], torch.full_like(x[:, :1], 1.0 - alpha))
+    lse = torch.logsumexp(x, dim=-1)
+    loss_sum = ((lse - (q * x).sum(-1)) * scale).sum()
+    preds = x.argmax(dim=-1)
+    if not need_grad:
+        return loss_sum, preds, None
+    grad = x.sub_(lse[:, None]).exp_().sub_(q).mul_(scale[:, None])
+    return loss_sum, preds, grad.to(logits.dtype)
+
+
 def chunk_terms(
     logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, need_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -102,6 +131,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_rows: int | None,
         need_grad: bool,
         terms: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        teacher: torch.Tensor | None,
+        alpha: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = hidden.shape[0]
         hidden_c = hidden.to(weight.dtype)
@@ -113,9 +144,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # The lm_head is frozen: d loss / d hidden is the only gradient, computed here while the chunk's
             # logits exist (no recomputation in backward).
             logits = hidden_c[start:end] @ weight.t()
-            loss_sum, preds[start:end], grad_logits = terms(
-                logits, labels[start:end], scale[start:end], grad is not None
-            )
+            if teacher is None:
+                loss_sum, preds[start:end], grad_logits = terms(
+                    logits, labels[start:end], scale[start:end], grad is not None
+                )
+            else:
+                teacher_logits = teacher[start:end].to(weight.dtype) @ weight.t()
+                loss_sum, preds[start:end], grad_logits = soft_chunk_terms(
+                    logits, labels[start:end], scale[start:end], grad is not None, teacher_logits, alpha
+                )
+                del teacher_logits
             total += loss_sum
             if grad is not None:
                 grad[start:end] = grad_logits @ weight
@@ -131,7 +169,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad.numel() == 0 and ctx.needs_input_grad[0]:
             raise RuntimeError("linear_cross_entropy: the gradient was not computed in forward")
         grad_hidden = (grad * grad_loss).to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
-        return grad_hidden, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -143,8 +181,12 @@ def linear_cross_entropy(
     chunk_rows: int | None = None,
     normalizer: torch.Tensor | float | None = None,
     compile_backend: str | None = None,
+    teacher: torch.Tensor | None = None,
+    alpha: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted mean CE, argmax per row); see the module docstring. `lm_head_weight` gets no gradient."""
+    """(weighted mean CE, argmax per row); see the module docstring. `lm_head_weight` gets no gradient.
+    `teacher` [R, H] (the target's final-normed states for the same rows) mixes `alpha` of its distribution
+    into the labels (eager epilogue)."""
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if hidden.ndim != 2 or lm_head_weight.ndim != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
@@ -162,8 +204,9 @@ def linear_cross_entropy(
     terms = _chunk_terms_in_place if compile_backend is None else loss_epilogue(compile_backend)
     with torch.profiler.record_function("dflash::lm_head_loss"):  # a name for profiles (bench_train_step)
         return _LinearCrossEntropy.apply(
-            hidden, lm_head_weight.detach(), labels.long(), weights, norm, chunk_rows, need_grad, terms
-        )
+            hidden, lm_head_weight.detach(), labels.long(), weights, norm, chunk_rows, need_grad, terms,
+            None if teacher is None else teacher.detach(), float(alpha),
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -198,6 +241,27 @@ class LossStats:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Distill:
+    """Distillation from the target's distribution: `alpha` of it in each label (see the module docstring);
+    the target's last layer is feature `feature_index` of the batch (its place in target_layer_ids)."""
+
+    alpha: float
+    feature_index: int
+
+
+def teacher_rows(batch: PackedBatch) -> torch.Tensor:
+    """[N, B-1] context rows holding the target state at a + k - 1 for slot k >= 1 of each block (clamped
+    into the sequence for padding blocks and slots past its end, whose weights are 0)."""
+    seqs = int(batch.context_seq.max()) + 1 if batch.context_seq.numel() else 1
+    starts = torch.searchsorted(batch.context_seq, torch.arange(seqs, device=batch.context_seq.device))
+    ends = torch.searchsorted(batch.context_seq, torch.arange(seqs, device=batch.context_seq.device), right=True)
+    seq = batch.block_seq.clamp_min(0)
+    slots = torch.arange(batch.block_size - 1, device=seq.device)
+    rows = starts[seq][:, None] + batch.anchor_pos[:, None] + slots
+    return torch.minimum(rows, (ends[seq] - 1)[:, None])
+
+
 def drafter_loss(
     model: DFlashDrafter,
     frozen: FrozenTarget,
@@ -209,9 +273,15 @@ def drafter_loss(
     slot_scale: torch.Tensor | None = None,
     feature_noise_std: float = 0.0,
     generator: torch.Generator | None = None,
+    distill: Distill | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Forward + weighted CE for one packed batch. `normalizer` (e.g. the global weight sum across ranks and
     micro-batches) replaces this batch's weight sum so that summed losses equal the global mean."""
+    teacher = None
+    if distill is not None and distill.alpha > 0:  # the clean states: noise is the student's regulariser
+        h = frozen.hidden_size
+        last = batch.features[:, distill.feature_index * h : (distill.feature_index + 1) * h]
+        teacher = frozen.final_norm(last[teacher_rows(batch).reshape(-1)])
     if feature_noise_std > 0:
         noise = torch.randn(batch.features.shape, generator=generator, device=batch.features.device)
         batch = replace(batch, features=batch.features + (noise * feature_noise_std).to(batch.features.dtype))
@@ -231,6 +301,8 @@ def drafter_loss(
         chunk_rows=chunk_rows,
         normalizer=weight_sum if normalizer is None else normalizer,
         compile_backend=regions_backend(model),
+        teacher=teacher,
+        alpha=0.0 if distill is None else distill.alpha,
     )
     with torch.no_grad():
         preds = preds.view(n, b - 1)

@@ -325,7 +325,9 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(module.weight)
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
-        """[T, K*H] concatenated target layers -> [T, H] context vectors shared by every layer."""
+        """[T, K*H] concatenated target layers -> [T, H] context vectors shared by every layer. Columns past
+        K*H (distillation's teacher layer, loaded after the features) are not the drafter's to see."""
+        features = features[:, : self.fc.in_features]
         if not torch.is_autocast_enabled(features.device.type):  # autocast casts inside fc; no fp32 copy
             features = features.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(features))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,8 +119,27 @@ def checked_parts(
         )
         check_cache(cache, frozen, drafter_cfg)
         check_trainable(cache, frozen)
+        check_distill(cfg.drafter.distill, frozen, cache.layers)
         spec = DataSpec.for_run(cfg, drafter_cfg, read_eval_rows(cfg.data.eval_rows))
     return frozen, drafter_cfg, spec
+
+
+def check_distill(alpha: float, frozen: FrozenTarget, cached: Sequence[int]) -> None:
+    """Distillation reads the target's last layer (a feature or not) through its final norm: both must be
+    in the cache."""
+    if alpha <= 0:
+        return
+    last = frozen.num_layers - 1
+    if last not in cached:
+        raise ValueError(
+            f"--distill needs the target's last layer ({last}) in the cache, which holds {list(cached)}: "
+            f"extract with --layers including {last} (or --layers all)"
+        )
+    if frozen.final_norm_gain is None:
+        raise ValueError(
+            "--distill: this cache's target/ has no final norm gain (written by an older dflash-extract); "
+            "re-run the same dflash-extract command on the cache to add it"
+        )
 
 
 def check_shard_files(cache: Cache, on_corrupt: str) -> None:

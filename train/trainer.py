@@ -36,7 +36,7 @@ from .export import export_drafter
 from .frozen import FrozenTarget
 from .guards import FiniteGuard
 from .loader import LoadedBatch, StreamingLoader
-from .loss import drafter_loss
+from .loss import Distill, drafter_loss
 from .mask import build_attention_mask
 from .metrics import LogWindow, MetricsLogger
 from .model import DFlashDrafter, DrafterConfig
@@ -124,6 +124,12 @@ class Trainer:
             if cfg.drafter.slot_weights == "reach"
             else None
         )
+        last = drafter_cfg.num_target_layers - 1  # DataSpec.for_run loads it when distilling
+        self.distill = (
+            Distill(cfg.drafter.distill, spec.layer_ids.index(last))
+            if cfg.drafter.distill > 0
+            else None
+        )
         self.startup.add("optimizer", time.perf_counter() - started)
 
     @classmethod
@@ -188,6 +194,7 @@ class Trainer:
                     attn_mask=attn_mask,
                     normalizer=normalizer,
                     slot_scale=None if reach is None else reach.scale,
+                    distill=self.distill,
                 )
                 (loss * loaded.loss_scale).backward()
             if loaded.loss_scale:

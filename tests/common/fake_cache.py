@@ -62,6 +62,7 @@ def write_fake_target(target_dir: Path, config: dict[str, Any], seed: int) -> No
         {
             "embed_tokens.weight": torch.randn(v, h, generator=g).to(torch.bfloat16),
             "lm_head.weight": (torch.randn(v, h, generator=g) / h**0.5).to(torch.bfloat16),
+            "final_norm.gain": 1 + 0.1 * torch.randn(h, generator=g),  # as extraction stores it
         },
         str(target_dir / "frozen.safetensors"),
     )

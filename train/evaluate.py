@@ -60,7 +60,7 @@ class EvalSet:
     # evaluation computes them and later ones report the same reference without redoing the work.
     lookup_steps: dict[int, list[int]] = field(default_factory=dict)
     # Prompt lookup's accepted length at every position of each row (-1: no anchor), per block size and
-    # sample (shard, index): int16, as the drafter's per-anchor lengths are compared with them at every evaluation.
+    # sample (shard, index), int16: every evaluation compares the drafter's with them, anchor by anchor.
     lookup_at: dict[int, dict[tuple[str, int], np.ndarray]] = field(default_factory=dict)
 
     @property
@@ -180,8 +180,7 @@ def evaluate(
                 if walk:
                     walk_started = time.perf_counter()  # the drafter's walk alone: comparable at every step
                     drafter_at = _accepted_on_host(model, frozen, samples, spec, device=device)
-                    for sample, accepted_at in zip(samples, drafter_at, strict=True):
-                        walk_steps.extend(decode_walk(accepted_at, sample.loss_mask))
+                    walk_steps.extend(_walks(samples, drafter_at))
                     walk_seconds += time.perf_counter() - walk_started
                     for ref, sample, accepted_at in zip(refs, samples, drafter_at, strict=True):
                         lookup_at = _lookup_at(eval_set, ref, sample, spec.block_size)
@@ -204,7 +203,7 @@ def evaluate(
     timing = {"eval_seconds": round(time.perf_counter() - started, 3)}
     if walk:
         timing["eval_walk_seconds"] = round(walk_seconds, 3)
-    comparison = {"tau_walk_max": walk_tau(max_steps)} | split.metrics() if walk_steps else {}
+    comparison = ({"tau_walk_max": walk_tau(max_steps)} | split.metrics()) if walk_steps else {}
     return _summary(total, walk_steps, lookup, spec.block_size) | comparison | counts | timing
 
 
@@ -236,8 +235,12 @@ def _walk_batch(
     device: torch.device,
 ) -> list[int]:
     """A per decode step of each sequence, in order: blocks at every eligible anchor, then the greedy walk."""
-    accepted = _accepted_on_host(model, frozen, samples, spec, device=device)
-    # Anchors with no drafted slot in the response (a+1 outside it) never occur in the walk.
+    return _walks(samples, _accepted_on_host(model, frozen, samples, spec, device=device))
+
+
+def _walks(samples: Sequence[Sample], accepted: Sequence[torch.Tensor]) -> list[int]:
+    """The decode walk of each sample over its per-position accepted lengths, concatenated in order. Anchors
+    with no drafted slot in the response (a+1 outside it) never occur in a walk."""
     return [
         a for sample, at in zip(samples, accepted, strict=True) for a in decode_walk(at, sample.loss_mask)
     ]

@@ -1,5 +1,9 @@
 """The quality benchmark's scoring and its table: every exported drafter and prompt lookup evaluated on the same
-held-out rows (`Scorer`), then one row per recipe variant x codec x data size (`summarize`, `print_table`)."""
+held-out rows (`Scorer`), then one row per recipe variant x codec x data size (`summarize`, `print_table`).
+
+Each run (quality.json's `runs`) also carries the evaluation's split by what prompt lookup accepts on the same
+anchor (`walk_split_*`, see `dflash.train.lookup_split`) and `tau_walk_max`, the walk of max(drafter, lookup)
+per anchor; `print_table` shows them per run after the main table (`print_split_table`)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_sizes import Run, Size
 
+# dflash.train.lookup_split.CLASSES, spelled out: the report module imports no torch until a run is scored.
+SPLIT_CLASSES = ("full", "part", "none")
+
 # --- evaluation ---------------------------------------------------------------------------------------
 
 
@@ -23,7 +30,11 @@ class Scorer:
     run is scored as soon as it is exported; the first one also computes the baselines (the untrained
     drafter, prompt lookup), so little evaluation is left once the last run ends."""
 
-    KEEP = ("tau", "tau_walk", "tau_walk_lookup", "eval_loss", "eval_samples", "acceptance_per_position")
+    KEEP = (
+        "tau", "tau_walk", "tau_walk_lookup", "tau_walk_max", "eval_loss", "eval_samples",
+        "acceptance_per_position", "walk_split_anchors",
+        *(f"walk_split_{c}_{m}" for c in SPLIT_CLASSES for m in ("share", "drafter", "lookup", "drafter_full")),
+    )  # fmt: skip
 
     def __init__(self, work: Path, size: Size, meta: dict[str, Any], device: str, codec: str) -> None:
         self.work, self.size, self.rows, self.device = work, size, frozenset(meta["eval_rows"]), device
@@ -120,6 +131,8 @@ def summarize(runs: list[Run], base: dict[str, Any]) -> list[dict[str, Any]]:
             "tau": float(taus.mean()), "tau_spread": float(taus.max() - taus.min()),
             "tau_walk": float(walks.mean()), "tau_walk_spread": float(walks.max() - walks.min()),
             "vs_lookup": float(walks.mean() / base["prompt_lookup"]["tau_walk"]),
+            **({"tau_walk_max": float(np.mean([r.result["tau_walk_max"] for r in group]))}
+               if all("tau_walk_max" in r.result for r in group) else {}),
             "train_s": float(np.mean([r.result["train_seconds"] for r in group])),
         }  # fmt: skip
     for (variant, _, fraction), row in by_key.items():
@@ -151,6 +164,7 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{row['drafter']:<34} {row['seeds']:>5} {row['tau']:>9.3f} ±{row['tau_spread']:<5.3f} "
               f"{row['tau_walk']:>9.3f} ±{row['tau_walk_spread']:<5.3f} {row['vs_lookup']:>11.2f} "
               f"{_signed_pct(row.get('vs_lossless')):>11} {row['train_s']:>8.0f}")  # fmt: skip
+    print_split_table(report)
     for curve in report["curves"]:
         points = ", ".join(
             f"{p['step']}: {p['tau']:.2f}/{p.get('tau_walk', float('nan')):.2f}" for p in curve["points"]
@@ -162,3 +176,33 @@ def print_table(report: dict[str, Any]) -> None:
 def _signed_pct(x: float | None) -> str:
     """'+1.2%', or '-' where there is no lossless run to compare with."""
     return "-" if x is None else f"{x:+.1%}"
+
+
+def print_split_table(report: dict[str, Any]) -> None:
+    """Per run: per class of what prompt lookup accepts at an anchor, the share of anchors, the drafter's and
+    lookup's mean accepted tokens and how often the drafter accepted the whole block; then the max walk."""
+    whole = report["size"]["drafter"]["block_size"] - 1
+    runs = [("untrained drafter", report["baselines"]["untrained"])]
+    runs += [(r["run"], r) for r in report["runs"] if "walk_split_anchors" in r]
+    if len(runs) == 1 or "walk_split_anchors" not in runs[0][1]:
+        return  # a report from before the split
+    heads = (f"lookup all {whole}", f"lookup 1-{whole - 1}", "lookup 0")
+    print(
+        f"\nper anchor, by what prompt lookup accepts of the block's {whole} tokens: share of anchors, "
+        f"drafter/lookup mean accepted tokens, drafter's whole-block share; max walk = max(drafter, lookup)"
+    )
+    print(f"{'run':<34} " + " ".join(f"{h:<23}" for h in heads) + f" {'max walk':>8}")  # fmt: skip
+    for name, result in runs:
+        cells = []
+        for c in SPLIT_CLASSES:
+            key = f"walk_split_{c}"
+            if f"{key}_drafter" not in result:
+                cells.append(f"{result.get(f'{key}_share', 0.0):>4.0%}{'-':>19}")
+                continue
+            cells.append(f"{result[f'{key}_share']:>4.0%} {result[f'{key}_drafter']:>5.2f}/"
+                         f"{result[f'{key}_lookup']:<5.2f} {result[f'{key}_drafter_full']:>5.0%}")  # fmt: skip
+        print(
+            f"{name:<34} "
+            + " ".join(f"{c:<23}" for c in cells)
+            + f" {result.get('tau_walk_max', float('nan')):>8.3f}"
+        )

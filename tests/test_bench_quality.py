@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import bench_quality
+from bench.quality_report import SPLIT_CLASSES, print_split_table
 
 
 @pytest.mark.slow
@@ -44,7 +45,13 @@ def test_ci_size_runs_every_phase_and_reports_on_heldout_rows(tmp_path: Path, ca
     # One run draws the tau-vs-steps curve (the first codec's, all rows, first seed); the rest evaluate once.
     (curve,) = report["curves"]
     assert curve["run"] == "base-lossless-f1-s0" and [p["step"] for p in curve["points"]] == [6, 12]
-    assert "walk/lookup" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "walk/lookup" in out
+    # Every run carries the drafter's split by what prompt lookup accepts, printed after the main table.
+    for run in report["runs"] + [base["untrained"]]:
+        assert sum(run[f"walk_split_{c}_share"] for c in SPLIT_CLASSES) == pytest.approx(1.0)
+        assert 1.0 <= run["tau_walk_max"] <= b
+    assert f"by what prompt lookup accepts of the block's {b - 1} tokens" in out
     # Every phase is reused on a second call: nothing is recomputed.
     before = {p: p.stat().st_mtime_ns for p in (work / "runs" / "base-lossless-f1-s0" / "final").iterdir()}
     assert bench_quality.main(["--size", "ci", "--device", "cpu", "--work", str(work)]) == 0
@@ -80,3 +87,32 @@ def test_first_seed_adds_seeds_to_an_earlier_experiment(tmp_path: Path) -> None:
     assert sorted(r.name for r in runs) == ["a-lossless-f0.25-s2", "a-lossless-f1-s2", "a-q4-f1-s2"]
     assert [r.name for r in runs if r.curve] == ["a-lossless-f1-s2"]
     assert all(r.dir == tmp_path / r.name for r in runs)
+
+
+def _split(full: tuple[float, float, float, float], none: tuple[float, float, float, float]) -> dict:
+    """An evaluation's split keys with no anchor where lookup accepts part of the block."""
+    keys = {"walk_split_anchors": 10, "walk_split_part_share": 0.0, "tau_walk_max": 2.5}
+    for name, (share, drafter, lookup, whole) in (("full", full), ("none", none)):
+        keys |= {f"walk_split_{name}_share": share, f"walk_split_{name}_drafter": drafter,
+                 f"walk_split_{name}_lookup": lookup, f"walk_split_{name}_drafter_full": whole}  # fmt: skip
+    return keys
+
+
+def test_split_table_prints_each_runs_classes_and_skips_old_reports(capsys) -> None:
+    report = {
+        "size": {"drafter": {"block_size": 8}},
+        "baselines": {"untrained": _split((0.3, 0.0, 7.0, 0.0), (0.7, 0.01, 0.0, 0.0))},
+        "runs": [{"run": "base-lossless-f1-s0", **_split((0.3, 2.31, 7.0, 0.07), (0.7, 0.62, 0.0, 0.01))},
+                 {"run": "failed-run", "error": "boom"}],
+    }  # fmt: skip
+    print_split_table(report)
+    lines = capsys.readouterr().out.splitlines()
+    assert "lookup all 7" in lines[2] and "lookup 1-6" in lines[2]
+    (row,) = [line for line in lines if line.startswith("base-lossless-f1-s0")]
+    assert row.split()[1:] == ["30%", "2.31/7.00", "7%", "0%", "-", "70%", "0.62/0.00", "1%", "2.500"]
+    assert not any(line.startswith("failed-run") for line in lines)
+    # A report written before the split prints no split table.
+    report["runs"] = [{"run": "old", "tau": 2.0}]
+    report["baselines"]["untrained"] = {"tau": 1.0}
+    print_split_table(report)
+    assert capsys.readouterr().out == ""

@@ -10,11 +10,13 @@ import torch
 from dflash.shards import Cache
 from dflash.train import evaluate as evaluate_mod
 from dflash.train import mask as mask_module
-from dflash.train.acceptance import accepted_lengths, decode_walk
+from dflash.train.acceptance import accepted_lengths, decode_walk, walk_tau
 from dflash.train.blocks import eligible_anchors
 from dflash.train.data_spec import DataSpec
 from dflash.train.evaluate import build_eval_set, evaluate
 from dflash.train.frozen import load_frozen_target
+from dflash.train.lookup import lookup_accepted
+from dflash.train.lookup_split import CLASSES
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
 from tests.common.fake_cache import write_fake_cache
@@ -123,3 +125,59 @@ def test_evaluation_readers_run_torch_on_one_thread_and_report_their_time(
     assert readers and set(readers.values()) == {1}, seen
     assert result["eval_samples"] > 0 and result["walk_steps"] > 0
     assert 0 < result["eval_walk_seconds"] <= result["eval_seconds"]
+
+
+def _synthetic_accepted_at(model, frozen, sample, spec, *, device) -> torch.Tensor:
+    """A drafter whose A varies with the anchor (0..B-1), so every class sees short and whole blocks."""
+    accepted_at = torch.full((sample.length,), -1, dtype=torch.long)
+    anchors = eligible_anchors(sample.loss_mask)
+    accepted_at[anchors] = (anchors * 5 + 1) % spec.block_size
+    return accepted_at
+
+
+def test_evaluation_splits_the_drafter_by_what_lookup_accepts_and_walks_their_max(
+    cache_dir: Path, monkeypatch
+) -> None:
+    monkeypatch.setattr(evaluate_mod, "_accepted_at", _synthetic_accepted_at)
+    lookups: list[int] = []
+
+    def counting(ids, *args, **kwargs):
+        lookups.append(len(ids))
+        return lookup_accepted(ids, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate_mod, "lookup_accepted", counting)
+    spec, cpu = _spec(), torch.device("cpu")
+    frozen = load_frozen_target(cache_dir, dtype=torch.float32)
+    with Cache.open(cache_dir) as cache:
+        eval_set = build_eval_set(cache, spec)
+        first = evaluate(_model(frozen), frozen, cache, eval_set, spec, device=cpu)
+        second = evaluate(_model(frozen), frozen, cache, eval_set, spec, device=cpu)
+        samples = [cache.shard(r.shard).read(r.index, spec.layer_ids) for b in eval_set.batches for r in b]
+    # Lookup ran once per row: the second evaluation reused it.
+    assert len(lookups) == len(samples) == first["eval_samples"]
+    timing = ("eval_seconds", "eval_walk_seconds")
+    assert {k: v for k, v in second.items() if k not in timing} == {
+        k: v for k, v in first.items() if k not in timing
+    }
+    # The reference: every eligible anchor classified one by one.
+    whole = spec.block_size - 1
+    pairs: dict[str, list[tuple[int, int]]] = {name: [] for name in CLASSES}
+    max_steps: list[int] = []
+    for sample in samples:
+        drafter = _synthetic_accepted_at(None, None, sample, spec, device=cpu)
+        lookup = torch.from_numpy(lookup_accepted(sample.input_ids.numpy(), sample.loss_mask.numpy(), whole))
+        for a in eligible_anchors(sample.loss_mask).tolist():
+            name = "full" if lookup[a] == whole else "none" if lookup[a] == 0 else "part"
+            pairs[name].append((int(drafter[a]), int(lookup[a])))
+        max_steps += decode_walk(torch.maximum(drafter, lookup), sample.loss_mask)
+    total = sum(map(len, pairs.values()))
+    assert first["walk_split_anchors"] == total
+    for name, seen in pairs.items():
+        assert seen, name  # the fake rows' fixed successor gives lookup every class
+        assert first[f"walk_split_{name}_share"] == pytest.approx(len(seen) / total)
+        assert first[f"walk_split_{name}_drafter"] == pytest.approx(sum(d for d, _ in seen) / len(seen))
+        assert first[f"walk_split_{name}_lookup"] == pytest.approx(sum(k for _, k in seen) / len(seen))
+        full = sum(d == whole for d, _ in seen) / len(seen)
+        assert first[f"walk_split_{name}_drafter_full"] == pytest.approx(full)
+    # Not above both walks per se: a longer step can land on a worse anchor (here below the drafter's own walk).
+    assert first["tau_walk_max"] == pytest.approx(walk_tau(max_steps))

@@ -17,6 +17,7 @@ from dflash.shards.errors import ManifestMismatch
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import tiny_debug
 from dflash.train.export import load_drafter
+from dflash.train.lookup_split import CLASSES
 from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask
 from dflash.train.metrics import read_metrics
@@ -61,6 +62,7 @@ def test_run_logs_evaluates_checkpoints_and_exports(cache_dir: Path, tmp_path: P
     # Prompt lookup walks the same held-out rows: a reference that no training step can move.
     assert 1.0 <= evals[0]["tau_walk_lookup"] <= cfg.drafter.block_size
     assert evals[0]["tau_walk_lookup"] == evals[1]["tau_walk_lookup"]
+    assert all(evals[0][f"walk_split_{c}_share"] == evals[1][f"walk_split_{c}_share"] for c in CLASSES)
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [8]  # keep_checkpoints=1 pruned step 4
     meta = ckpt.read_json(run / "checkpoints" / "step_000008" / "meta.json")
     assert meta["step"] == 8 and meta["config"]["lr"] == cfg.optim.lr and len(meta["manifest_sha256"]) == 64

@@ -4,6 +4,15 @@ The held-out set is fixed for the whole run (`data_plan.eval_batches`: shards in
 are its anchors (a generator seeded from the run seed), so numbers at different steps compare the
 same blocks. The decode walk evaluates EVERY eligible anchor of each sequence, then replays a greedy
 decode (start at the first response token, advance by A + 1): tau as serving would see it.
+
+Prompt lookup (`lookup.py`) is measured on the same anchors: `tau_walk_lookup` is its walk, the
+`walk_split_*` keys split the drafter's per-anchor acceptance by what lookup accepts there (`lookup_split.py`:
+per class full / part / none, the share of anchors, the drafter's and lookup's mean accepted length and how
+often the drafter accepts the whole block), and `tau_walk_max` walks max(drafter, lookup) per anchor: the
+longer of the two drafts at every step, what a server verifying both at once (a two-branch tree) would get: how
+complementary the two are, roughly the most that combining them can give. Not a strict upper bound of switching
+between them: a longer step can land on a worse anchor, so it can even fall below one of the two walks. Lookup's
+per-anchor lengths depend on the rows alone: computed once per eval set.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from dflash.shards import Cache, Sample
 from dflash.shards.errors import ShardError
@@ -28,6 +38,7 @@ from .data_plan import SampleRef, eval_batches
 from .data_spec import DataSpec, read_sample, shard_entries
 from .frozen import FrozenTarget
 from .lookup import lookup_accepted
+from .lookup_split import SplitSums, split_sums
 from .loss import LossStats, drafter_loss
 from .mask import build_attention_mask, flex_scope
 from .model import DFlashDrafter
@@ -48,6 +59,9 @@ class EvalSet:
     # Prompt lookup's decode-walk steps per block size: they depend on the rows alone, so the first
     # evaluation computes them and later ones report the same reference without redoing the work.
     lookup_steps: dict[int, list[int]] = field(default_factory=dict)
+    # Prompt lookup's accepted length at every position of each row (-1: no anchor), per block size and
+    # sample (shard, index), int16: every evaluation compares the drafter's with them, anchor by anchor.
+    lookup_at: dict[int, dict[tuple[str, int], np.ndarray]] = field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -73,16 +87,18 @@ def build_eval_set(cache: Cache, spec: DataSpec) -> EvalSet:
 
 def _read_samples(
     cache: Cache, refs: Sequence[SampleRef], spec: DataSpec, pool: ThreadPoolExecutor
-) -> tuple[list[Sample], int]:
-    """The readable samples of `refs` and how many were corrupt (skipped under `--on-corrupt skip`)."""
-    samples, skipped = [], 0
+) -> tuple[list[SampleRef], list[Sample], int]:
+    """The readable samples of `refs` (with their refs) and how many were corrupt (skipped under
+    `--on-corrupt skip`)."""
+    read, samples, skipped = [], [], 0
     for ref, result in zip(refs, pool.map(lambda r: read_sample(cache, r, spec), refs), strict=True):
         if isinstance(result, ShardError):
             skipped += 1
             log.warning("evaluation skips corrupt sample (row %d): %s", ref.row, result)
         else:
+            read.append(ref)
             samples.append(result)
-    return samples, skipped
+    return read, samples, skipped
 
 
 def _block_predictions(
@@ -115,7 +131,8 @@ def evaluate(
     """Metrics over the held-out set: loss, accuracy, tau, the decode walk's tau, and how many samples were
     evaluated and skipped (`eval_samples`, `eval_skipped_samples`, `eval_skipped_shards`; only these when
     nothing could be evaluated), and its wall time (`eval_seconds`, of which `eval_walk_seconds` the drafter's
-    decode walk). An empty held-out set gives {}."""
+    decode walk); with the walk, prompt lookup's walk, the split by lookup's class and the max walk (see the
+    module docstring). An empty held-out set gives {}."""
     if not eval_set.batches:
         return {}
     started = time.perf_counter()
@@ -124,6 +141,8 @@ def evaluate(
     autocast = mixed_precision(device)
     total: LossStats | None = None
     walk_steps: list[int] = []
+    max_steps: list[int] = []
+    split = SplitSums()
     walk_seconds = 0.0
     # Prompt lookup's walk over the same rows: the free baseline to beat (once per eval set, see EvalSet).
     lookup_steps = None if spec.block_size in eval_set.lookup_steps else []
@@ -141,8 +160,8 @@ def evaluate(
             torch_threads(1) if device.type == "cuda" else contextlib.nullcontext(),
             autocast,
         ):
-            for index, refs in enumerate(eval_set.batches):
-                samples, dropped = _read_samples(cache, refs, spec, pool)
+            for index, batch_refs in enumerate(eval_set.batches):
+                refs, samples, dropped = _read_samples(cache, batch_refs, spec, pool)
                 skipped += dropped
                 if not samples:
                     continue
@@ -160,11 +179,15 @@ def evaluate(
                 evaluated += len(samples)
                 if walk:
                     walk_started = time.perf_counter()  # the drafter's walk alone: comparable at every step
-                    walk_steps.extend(_walk_batch(model, frozen, samples, spec, device=device))
+                    drafter_at = _accepted_on_host(model, frozen, samples, spec, device=device)
+                    walk_steps.extend(_walks(samples, drafter_at))
                     walk_seconds += time.perf_counter() - walk_started
-                    if lookup_steps is not None:
-                        for sample in samples:
-                            lookup_steps.extend(_lookup_walk(sample, spec.block_size))
+                    for ref, sample, accepted_at in zip(refs, samples, drafter_at, strict=True):
+                        lookup_at = _lookup_at(eval_set, ref, sample, spec.block_size)
+                        if lookup_steps is not None:
+                            lookup_steps.extend(decode_walk(lookup_at, sample.loss_mask))
+                        split += split_sums(accepted_at.numpy(), lookup_at.numpy(), spec.block_size)
+                        max_steps.extend(decode_walk(torch.maximum(accepted_at, lookup_at), sample.loss_mask))
     finally:
         model.train(was_training)
     counts = {
@@ -180,7 +203,8 @@ def evaluate(
     timing = {"eval_seconds": round(time.perf_counter() - started, 3)}
     if walk:
         timing["eval_walk_seconds"] = round(walk_seconds, 3)
-    return _summary(total, walk_steps, lookup, spec.block_size) | counts | timing
+    comparison = ({"tau_walk_max": walk_tau(max_steps)} | split.metrics()) if walk_steps else {}
+    return _summary(total, walk_steps, lookup, spec.block_size) | comparison | counts | timing
 
 
 def _summary(
@@ -210,17 +234,32 @@ def _walk_batch(
     *,
     device: torch.device,
 ) -> list[int]:
-    """A per decode step of each sequence, in order: blocks at every eligible anchor, then the greedy walk.
-    The accepted lengths stay on the device until every sample's passes are queued (one sync, not one per
-    sample: the host keeps launching while the GPU works)."""
+    """A per decode step of each sequence, in order: blocks at every eligible anchor, then the greedy walk."""
+    return _walks(samples, _accepted_on_host(model, frozen, samples, spec, device=device))
+
+
+def _walks(samples: Sequence[Sample], accepted: Sequence[torch.Tensor]) -> list[int]:
+    """The decode walk of each sample over its per-position accepted lengths, concatenated in order. Anchors
+    with no drafted slot in the response (a+1 outside it) never occur in a walk."""
+    return [
+        a for sample, at in zip(samples, accepted, strict=True) for a in decode_walk(at, sample.loss_mask)
+    ]
+
+
+def _accepted_on_host(
+    model: DFlashDrafter,
+    frozen: FrozenTarget,
+    samples: Sequence[Sample],
+    spec: DataSpec,
+    *,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Per sample, [S] long on the host: the drafter's A at every eligible anchor, -1 elsewhere. The lengths stay
+    on the device until every sample's passes are queued (one sync, not one per sample: the host keeps launching
+    while the GPU works)."""
     accepted = [_accepted_at(model, frozen, sample, spec, device=device) for sample in samples]
     lengths = [a.numel() for a in accepted]
-    on_host = torch.cat(accepted).cpu().split(lengths)
-    steps: list[int] = []
-    for sample, accepted_at in zip(samples, on_host, strict=True):
-        # Anchors with no drafted slot in the response (a+1 outside it) never occur in the walk.
-        steps.extend(decode_walk(accepted_at, sample.loss_mask))
-    return steps
+    return list(torch.cat(accepted).cpu().split(lengths))
 
 
 def _accepted_at(
@@ -244,7 +283,12 @@ def _accepted_at(
     return accepted_at
 
 
-def _lookup_walk(sample: Sample, block_size: int) -> list[int]:
-    """The same decode walk for prompt lookup (vLLM's `ngram`, n <= 4) drafting B - 1 tokens per step."""
-    accepted = lookup_accepted(sample.input_ids.numpy(), sample.loss_mask.numpy(), block_size - 1)
-    return decode_walk(torch.from_numpy(accepted), sample.loss_mask)
+def _lookup_at(eval_set: EvalSet, ref: SampleRef, sample: Sample, block_size: int) -> torch.Tensor:
+    """[S] long: prompt lookup's (vLLM's `ngram`, n <= 4) A drafting B - 1 tokens at every anchor of one row,
+    -1 elsewhere; computed on the row's first evaluation, then read from `eval_set.lookup_at`."""
+    cached = eval_set.lookup_at.setdefault(block_size, {})
+    key = (ref.shard, ref.index)
+    if key not in cached:
+        accepted = lookup_accepted(sample.input_ids.numpy(), sample.loss_mask.numpy(), block_size - 1)
+        cached[key] = accepted.astype(np.int16)
+    return torch.from_numpy(cached[key].astype(np.int64))

@@ -1,0 +1,85 @@
+"""Where the drafter loses to prompt lookup: its acceptance split by what lookup does on the same anchor.
+
+Every eligible anchor (the decode walk's) falls in one class by lookup's accepted length L out of the block's
+B - 1 drafted slots: `full` (L = B - 1: the continuation repeats the context), `part` (1 <= L <= B - 2) or
+`none` (L = 0: nothing to copy). An anchor closer than B - 1 tokens to its span's end can never be `full`.
+Per class: the share of anchors in it, the drafter's and lookup's mean accepted length there (drafted tokens
+accepted, without the target's bonus token) and the share of its anchors where the drafter accepts the whole
+block. Low drafter means under `full` say the drafter has not learned to copy; high ones under `none` are what
+it adds over copying.
+
+Public API (pure numpy):
+    CLASSES = ("full", "part", "none")
+    split_sums(drafter_at, lookup_at, block_size) -> SplitSums
+        per-position accepted lengths of one sequence (or any flat run of anchors), -1 where no block was
+        computed; the two must mark the same anchors.
+    SplitSums: per-class sums; `a + b` merges, `.metrics()` gives the flat `walk_split_*` keys
+        (walk_split_anchors, walk_split_<class>_share, _drafter, _lookup, _drafter_full).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+CLASSES = ("full", "part", "none")
+_FULL, _PART, _NONE = range(3)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitSums:
+    """Per class (CLASSES order): anchors, summed drafter and lookup accepted lengths, drafter whole blocks."""
+
+    anchors: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
+    drafter: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
+    lookup: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
+    drafter_full: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
+
+    def __add__(self, other: SplitSums) -> SplitSums:
+        return SplitSums(
+            anchors=self.anchors + other.anchors,
+            drafter=self.drafter + other.drafter,
+            lookup=self.lookup + other.lookup,
+            drafter_full=self.drafter_full + other.drafter_full,
+        )
+
+    def metrics(self) -> dict[str, float | int]:
+        """Flat `walk_split_*` keys; a class with no anchor has share 0 and no means (they would be nan)."""
+        total = int(self.anchors.sum())
+        result: dict[str, float | int] = {"walk_split_anchors": total}
+        if total == 0:
+            return result
+        for index, name in enumerate(CLASSES):
+            n = int(self.anchors[index])
+            result[f"walk_split_{name}_share"] = n / total
+            if n:
+                result[f"walk_split_{name}_drafter"] = float(self.drafter[index]) / n
+                result[f"walk_split_{name}_lookup"] = float(self.lookup[index]) / n
+                result[f"walk_split_{name}_drafter_full"] = float(self.drafter_full[index]) / n
+        return result
+
+
+def split_sums(drafter_at: np.ndarray, lookup_at: np.ndarray, block_size: int) -> SplitSums:
+    """The per-class sums over the anchors of one sequence (see the module docstring)."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (one drafted slot at least), got {block_size}")
+    drafter, lookup = np.asarray(drafter_at), np.asarray(lookup_at)
+    if drafter.shape != lookup.shape or drafter.ndim != 1:
+        raise ValueError(
+            f"drafter {drafter.shape} and lookup {lookup.shape} accepted lengths must be one flat shape"
+        )
+    anchors = drafter >= 0
+    if not np.array_equal(anchors, lookup >= 0):
+        raise ValueError("the drafter's and prompt lookup's accepted lengths mark different anchors")
+    whole = block_size - 1
+    drafter, lookup = drafter[anchors].astype(np.int64), lookup[anchors].astype(np.int64)
+    if drafter.size and max(int(drafter.max()), int(lookup.max())) > whole:
+        raise ValueError(f"an accepted length exceeds the block's {whole} drafted slots")
+    classes = np.where(lookup == whole, _FULL, np.where(lookup == 0, _NONE, _PART))
+    return SplitSums(
+        anchors=np.bincount(classes, minlength=3),
+        drafter=np.bincount(classes, weights=drafter, minlength=3).astype(np.int64),
+        lookup=np.bincount(classes, weights=lookup, minlength=3).astype(np.int64),
+        drafter_full=np.bincount(classes, weights=drafter == whole, minlength=3).astype(np.int64),
+    )

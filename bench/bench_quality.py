@@ -49,6 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_data import (
     PAD,
+    TARGET_KINDS,
     build_tokenizer,
     cut_prompts,
     greedy_continuations,
@@ -57,6 +58,7 @@ from bench.quality_data import (
     train_target,
     write_rows,
 )
+from bench.quality_prose import ASSISTANT, CHAT_TOKENS, cut_chat_prompts, read_prose_corpus
 from bench.quality_report import Scorer, print_table, summarize
 from bench.quality_sizes import SIZES, Run, Size, parse_variants, plan_runs
 
@@ -96,14 +98,15 @@ def phase_target(work: Path, size: Size, device: str, seed: int) -> tuple[dict[s
             _load_files(tokens / f"{split}.npy", corpus[split]) for split in ("train", "heldout")
         )
     else:
-        train_texts, held_texts, corpus = read_corpus(int(size.target.corpus_mb * 2**20), seed)
+        prose = size.target.kind == "prose"
+        read = read_prose_corpus if prose else read_corpus
+        train_texts, held_texts, corpus = read(int(size.target.corpus_mb * 2**20), seed)
         target.mkdir(parents=True, exist_ok=True)
         if (target / "tokenizer.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(str(target))
         else:
-            tokenizer = build_tokenizer(
-                train_texts, size.target.vocab, target, int(size.target.bpe_mb * 2**20)
-            )
+            tokenizer = build_tokenizer(train_texts, size.target.vocab, target, int(size.target.bpe_mb * 2**20),
+                                        CHAT_TOKENS if prose else ())  # fmt: skip
         train_files, held_files = (
             tokenize_files(tokenizer, train_texts),
             tokenize_files(tokenizer, held_texts),
@@ -136,8 +139,12 @@ def phase_data(work: Path, size: Size, tokenizer: Any, train_files: list, held_f
         return json.loads(meta_path.read_text())
     rng = np.random.default_rng(seed + 1)
     spec = size.data
-    prompts = cut_prompts(train_files, spec.train_rows, spec, rng) + cut_prompts(
-        held_files, spec.eval_rows, spec, rng
+    cut = cut_prompts
+    if size.target.kind == "prose":  # a user turn and the beginning of its answer
+        header = np.asarray(tokenizer(ASSISTANT, add_special_tokens=False)["input_ids"], dtype=np.int32)
+        cut = partial(cut_chat_prompts, header=header)
+    prompts = cut(train_files, spec.train_rows, spec, rng=rng) + cut(
+        held_files, spec.eval_rows, spec, rng=rng
     )
     start = time.perf_counter()
     answers = greedy_continuations(
@@ -225,12 +232,22 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
     return run
 
 
-def pack(work: Path, dest: Path, part_bytes: int = 15 * 2**20) -> list[Path]:
+def pack_name(kind: str) -> str:
+    """The tar parts' name: each target's own, so one folder carries several (code's as before)."""
+    return "quality-work.tar" if kind == "code" else f"quality-work-{kind}.tar"
+
+
+def target_work(work: Path, kind: str) -> Path:
+    """Where a target's phases keep their outputs: --work itself for code (as before), a subfolder else."""
+    return work if kind == "code" else work / kind
+
+
+def pack(work: Path, dest: Path, part_bytes: int = 15 * 2**20, kind: str = "code") -> list[Path]:
     """target/ and data/ as tar parts small enough to travel back from a GPU machine."""
     import tarfile
 
     dest.mkdir(parents=True, exist_ok=True)
-    tar_path = dest / "quality-work.tar"
+    tar_path = dest / pack_name(kind)
     with tarfile.open(tar_path, "w") as tar:
         for name in ("target", "data"):
             tar.add(work / name, arcname=name)
@@ -238,18 +255,18 @@ def pack(work: Path, dest: Path, part_bytes: int = 15 * 2**20) -> list[Path]:
     tar_path.unlink()
     parts = []
     for i in range(0, len(blob), part_bytes):
-        part = dest / f"quality-work.tar.{i // part_bytes:02d}"
+        part = dest / f"{tar_path.name}.{i // part_bytes:02d}"
         part.write_bytes(blob[i : i + part_bytes])
         parts.append(part)
     return parts
 
 
-def unpack(src: Path, work: Path) -> bool:
+def unpack(src: Path, work: Path, kind: str = "code") -> bool:
     """The inverse of `pack` (no-op when target/ is already there or no parts exist)."""
     import io
     import tarfile
 
-    parts = sorted(src.glob("quality-work.tar.*"))
+    parts = sorted(src.glob(f"{pack_name(kind)}.*"))
     if (work / "target").exists() or not parts:
         return False
     with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
@@ -260,6 +277,9 @@ def unpack(src: Path, work: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="quick")
+    p.add_argument("--target", choices=TARGET_KINDS, default="code",
+                   help="the target LM: code (Qwen3 on Python), prose (Qwen3 on chat rows of docs), hybrid "
+                   "(Qwen3.5's Gated DeltaNet + attention on Python); each but code works in --work/<target>")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="--size quick (one seed)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--work", default=".bench/quality", help="phase outputs (reused when present)")
@@ -301,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         size = replace(size, fractions=tuple(float(f) for f in args.fractions.split(",")))
     if args.steps:
         size = replace(size, drafter=replace(size.drafter, steps=args.steps))
-    work = Path(args.work)
+    size = replace(size, target=replace(size.target, kind=args.target))
+    work = target_work(Path(args.work), args.target)
     work.mkdir(parents=True, exist_ok=True)
-    if args.unpack and unpack(Path(args.unpack), work):
+    if args.unpack and unpack(Path(args.unpack), work, args.target):
         print(f"unpacked target/ and data/ from {args.unpack}", flush=True)
     seconds: dict[str, float] = {}
 
@@ -321,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "data", lambda: phase_data(work, size, tokenizer, train_files, held_files, args.device, args.seed)
     )
     if args.pack:
-        print(f"packed: {[str(x) for x in pack(work, Path(args.pack))]}", flush=True)
+        print(f"packed: {[str(x) for x in pack(work, Path(args.pack), kind=args.target)]}", flush=True)
     codecs = args.codecs.split(",") if args.codecs else list(size.codecs)
     if args.stop_after == "data":
         return 0
@@ -363,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds["evaluate (during train)"] = round(scorer.seconds, 1)
     baselines = scorer.baselines
     report = {
+        "target_kind": args.target,
         "size": asdict(size),
         "target": info,
         "data": {k: v for k, v in meta.items() if k != "eval_rows"},
@@ -377,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     (work / args.runs_dir / "quality.json").write_text(json.dumps(report, indent=1) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"target: {info['params'] / 1e6:.1f}M params, LM loss {info['first_loss']:.2f} -> {info['final_loss']:.2f} "
+    print(f"target {args.target}: {info['params'] / 1e6:.1f}M params, LM loss {info['first_loss']:.2f} -> {info['final_loss']:.2f} "
           f"({info['train_tokens'] / 1e6:.1f}M tokens, {info['seconds']:.0f} s); data: {meta['rows']} rows, "
           f"{meta['tokens'] / 1e6:.2f}M tokens; corpus sha256 {str(info['corpus'].get('sha256'))[:16]}")  # fmt: skip
     if good:

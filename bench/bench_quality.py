@@ -10,6 +10,14 @@ measure is the full size's 6000) and their evaluations.
     python bench/bench_quality.py --size ci --device cpu     # seconds: every phase, tiny (CI runs this)
     python bench/bench_quality.py --size cpu --device cpu    # the development box: a real but small signal
 
+`--target` picks the LM the drafters serve, each with its own prompt-lookup baseline (every size; --work keeps
+code's phases, W/prose and W/hybrid the others', and --pack/--unpack name their parts after the target):
+    --target code      a Qwen3 LM on Python sources (the default; what the numbers above are)
+    --target prose     the same shape on ChatML rows of docstrings and shipped docs (`quality_prose`): prompts
+                       are a user turn and the start of its answer
+    --target hybrid    Qwen3.5's text decoder (Gated DeltaNet and full attention layers, 3:1), code corpus, as
+                       many parameters (FLA's kernels on a GPU, transformers' torch fallbacks on a CPU)
+
 Longer than one call of a rationed machine (`--size full`: six 6000-step runs side by side train ~21 min):
 start it detached (`setsid nohup python bench/bench_quality.py ... > W/bench.log 2>&1 &`) and read each run's
 `W/runs/*/metrics.jsonl` from later calls while the machine is still held. The first codec's first seed
@@ -17,9 +25,9 @@ evaluates along the way (`eval_points`), the other runs at their end; `--train-a
 every run do so, so a cut leaves numbers behind (six evaluations at once: 25-42 s each).
 
 Phases (each kept in --work and skipped when its output exists, so a cut-off run resumes where it stopped):
-1. target: a byte-level BPE and a small Qwen3 LM trained on Python sources (`quality_data`), saved in bf16
-   with tied embeddings like released Qwen3-0.6B/1.7B/4B checkpoints;
-2. data: prompts cut from training files and from held-out files, the target's greedy continuations
+1. target: a byte-level BPE and a small LM trained on its corpus (`quality_data`), saved in bf16 with tied
+   embeddings like released Qwen3-0.6B/1.7B/4B checkpoints;
+2. data: prompts cut from training files (rows) and from held-out ones, the target's greedy continuations
    (what DFlash trains on: target-regenerated data) -> one Arrow file + the evaluation row ids;
 3. caches: the real `dflash-extract` CLI per codec;
 4. runs: the real `dflash-train` CLI (several at once on a GPU: small drafters leave it mostly idle), for
@@ -27,7 +35,7 @@ Phases (each kept in --work and skipped when its output exists, so a cut-off run
    `dflash-train export`;
 5. evaluation, all on the same held-out rows: tau by sampled anchors and by the decode walk for the untrained
    drafter, every exported drafter, and prompt lookup (vLLM's `ngram`: n <= 4, k = B - 1).
-Prints one table and writes `--work/quality.json`.
+Prints one table (after a line naming the target) and writes `quality.json` under the target's runs folder.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from bench.quality_data import (
     train_target,
     write_rows,
 )
+from bench.quality_pack import pack, target_work, unpack
 from bench.quality_prose import ASSISTANT, CHAT_TOKENS, cut_chat_prompts, read_prose_corpus
 from bench.quality_report import Scorer, print_table, summarize
 from bench.quality_sizes import SIZES, Run, Size, parse_variants, plan_runs
@@ -230,48 +239,6 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
         if "tau" in r
     ]
     return run
-
-
-def pack_name(kind: str) -> str:
-    """The tar parts' name: each target's own, so one folder carries several (code's as before)."""
-    return "quality-work.tar" if kind == "code" else f"quality-work-{kind}.tar"
-
-
-def target_work(work: Path, kind: str) -> Path:
-    """Where a target's phases keep their outputs: --work itself for code (as before), a subfolder else."""
-    return work if kind == "code" else work / kind
-
-
-def pack(work: Path, dest: Path, part_bytes: int = 15 * 2**20, kind: str = "code") -> list[Path]:
-    """target/ and data/ as tar parts small enough to travel back from a GPU machine."""
-    import tarfile
-
-    dest.mkdir(parents=True, exist_ok=True)
-    tar_path = dest / pack_name(kind)
-    with tarfile.open(tar_path, "w") as tar:
-        for name in ("target", "data"):
-            tar.add(work / name, arcname=name)
-    blob = tar_path.read_bytes()
-    tar_path.unlink()
-    parts = []
-    for i in range(0, len(blob), part_bytes):
-        part = dest / f"{tar_path.name}.{i // part_bytes:02d}"
-        part.write_bytes(blob[i : i + part_bytes])
-        parts.append(part)
-    return parts
-
-
-def unpack(src: Path, work: Path, kind: str = "code") -> bool:
-    """The inverse of `pack` (no-op when target/ is already there or no parts exist)."""
-    import io
-    import tarfile
-
-    parts = sorted(src.glob(f"{pack_name(kind)}.*"))
-    if (work / "target").exists() or not parts:
-        return False
-    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
-        tar.extractall(work, filter="data")
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
-"""The quality benchmark's target and data: a small Qwen3 LM trained here on Python sources, and its greedy
-continuations as the drafter's training and evaluation rows.
+"""The quality benchmark's target and data: a small LM trained here on Python sources (a Qwen3 one, or with
+`TargetSpec.kind` "hybrid" Qwen3.5's Gated DeltaNet decoder; "prose" trains the Qwen3 shape on the chat rows of
+`quality_prose`), and its greedy continuations as the drafter's training and evaluation rows.
 
 Nothing is downloaded: the corpus is the `.py` files of the standard library and of packages installed on
 every machine that runs dflash (torch, transformers). Files are split by a hash of their relative path, so

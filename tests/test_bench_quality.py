@@ -121,6 +121,15 @@ def test_prose_target_trains_on_chat_rows_and_packs_into_its_own_folder(
         prompt = tokenizer.decode(ids[: mask.index(1)])
         assert prompt.startswith("<|im_start|>user\n") and "<|im_end|>\n<|im_start|>assistant\n" in prompt
     assert tokenizer.convert_tokens_to_ids("<|im_start|>") != tokenizer.unk_token_id
+    # What the target read is chat rows of prose read from this machine: no line of Python among them.
+    import numpy as np
+
+    from bench.quality_prose import _CODE_LINE
+
+    corpus = tokenizer.decode(np.load(work / "prose" / "tokens" / "train.npy").tolist())
+    turns = corpus.split("<|im_start|>")[1:]
+    assert len(turns) > 100 and all(t.startswith(("user\n", "assistant\n")) for t in turns)
+    assert _CODE_LINE.search(corpus) is None
     # Its pack parts are its own and carry everything a later call needs: no corpus is read again.
     assert sorted(p.name for p in pack.iterdir()) == ["quality-work-prose.tar.00"]
 

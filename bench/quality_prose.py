@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.quality_data import corpus_stats, is_heldout, package_roots, source_files
+
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHAT_TOKENS = (IM_START, IM_END)
 ASSISTANT = f"{IM_START}assistant\n"
@@ -101,8 +103,6 @@ def document_rows(text: str) -> Iterator[str]:
 
 def doc_files() -> list[tuple[str, Path]]:
     """(stable name, path) of the text documents of the stdlib and of every site-packages folder."""
-    from bench.quality_data import package_roots
-
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     sites = {Path(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
     sites |= {root.parent for _, root in package_roots()}
@@ -125,8 +125,6 @@ def doc_files() -> list[tuple[str, Path]]:
 
 def prose_sources() -> list[tuple[str, Path]]:
     """Every source of prose rows, sorted by name: `.py` files (their docstrings) and text documents."""
-    from bench.quality_data import source_files
-
     return sorted(source_files() + doc_files())
 
 
@@ -143,8 +141,6 @@ def source_rows(name: str, path: Path) -> list[str]:
 
 def read_prose_corpus(max_bytes: int, seed: int) -> tuple[list[str], list[str], dict[str, Any]]:
     """(train rows, held-out rows, stats): every source's rows in a seeded order until `max_bytes` are read."""
-    from bench.quality_data import corpus_stats, is_heldout
-
     sources = prose_sources()
     order = np.random.default_rng(seed).permutation(len(sources))
     train, held, seen, used, files, held_files = [], [], set(), 0, 0, 0

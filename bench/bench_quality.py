@@ -10,6 +10,14 @@ measure is the full size's 6000) and their evaluations.
     python bench/bench_quality.py --size ci --device cpu     # seconds: every phase, tiny (CI runs this)
     python bench/bench_quality.py --size cpu --device cpu    # the development box: a real but small signal
 
+`--target` picks the LM the drafters serve, each with its own prompt-lookup baseline (every size; --work keeps
+code's phases, W/prose and W/hybrid the others', and --pack/--unpack name their parts after the target):
+    --target code      a Qwen3 LM on Python sources (the default; what the numbers above are)
+    --target prose     the same shape on ChatML rows of docstrings and shipped docs (`quality_prose`): prompts
+                       are a user turn and the start of its answer
+    --target hybrid    Qwen3.5's text decoder (Gated DeltaNet and full attention layers, 3:1), code corpus, as
+                       many parameters (FLA's kernels on a GPU, transformers' torch fallbacks on a CPU)
+
 Longer than one call of a rationed machine (`--size full`: six 6000-step runs side by side train ~21 min):
 start it detached (`setsid nohup python bench/bench_quality.py ... > W/bench.log 2>&1 &`) and read each run's
 `W/runs/*/metrics.jsonl` from later calls while the machine is still held. The first codec's first seed
@@ -17,9 +25,9 @@ evaluates along the way (`eval_points`), the other runs at their end; `--train-a
 every run do so, so a cut leaves numbers behind (six evaluations at once: 25-42 s each).
 
 Phases (each kept in --work and skipped when its output exists, so a cut-off run resumes where it stopped):
-1. target: a byte-level BPE and a small Qwen3 LM trained on Python sources (`quality_data`), saved in bf16
-   with tied embeddings like released Qwen3-0.6B/1.7B/4B checkpoints;
-2. data: prompts cut from training files and from held-out files, the target's greedy continuations
+1. target: a byte-level BPE and a small LM trained on its corpus (`quality_data`), saved in bf16 with tied
+   embeddings like released Qwen3-0.6B/1.7B/4B checkpoints;
+2. data: prompts cut from training files (rows) and from held-out ones, the target's greedy continuations
    (what DFlash trains on: target-regenerated data) -> one Arrow file + the evaluation row ids;
 3. caches: the real `dflash-extract` CLI per codec;
 4. runs: the real `dflash-train` CLI (several at once on a GPU: small drafters leave it mostly idle), for
@@ -27,7 +35,7 @@ Phases (each kept in --work and skipped when its output exists, so a cut-off run
    `dflash-train export`;
 5. evaluation, all on the same held-out rows: tau by sampled anchors and by the decode walk for the untrained
    drafter, every exported drafter, and prompt lookup (vLLM's `ngram`: n <= 4, k = B - 1).
-Prints one table and writes `--work/quality.json`.
+Prints one table (after a line naming the target) and writes `quality.json` under the target's runs folder.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_data import (
     PAD,
+    TARGET_KINDS,
     build_tokenizer,
     cut_prompts,
     greedy_continuations,
@@ -57,6 +66,8 @@ from bench.quality_data import (
     train_target,
     write_rows,
 )
+from bench.quality_pack import pack, target_work, unpack
+from bench.quality_prose import ASSISTANT, CHAT_TOKENS, cut_chat_prompts, read_prose_corpus
 from bench.quality_report import Scorer, print_table, summarize
 from bench.quality_sizes import SIZES, Run, Size, parse_variants, plan_runs
 
@@ -96,14 +107,15 @@ def phase_target(work: Path, size: Size, device: str, seed: int) -> tuple[dict[s
             _load_files(tokens / f"{split}.npy", corpus[split]) for split in ("train", "heldout")
         )
     else:
-        train_texts, held_texts, corpus = read_corpus(int(size.target.corpus_mb * 2**20), seed)
+        prose = size.target.kind == "prose"
+        read = read_prose_corpus if prose else read_corpus
+        train_texts, held_texts, corpus = read(int(size.target.corpus_mb * 2**20), seed)
         target.mkdir(parents=True, exist_ok=True)
         if (target / "tokenizer.json").is_file():
             tokenizer = AutoTokenizer.from_pretrained(str(target))
         else:
-            tokenizer = build_tokenizer(
-                train_texts, size.target.vocab, target, int(size.target.bpe_mb * 2**20)
-            )
+            tokenizer = build_tokenizer(train_texts, size.target.vocab, target, int(size.target.bpe_mb * 2**20),
+                                        CHAT_TOKENS if prose else ())  # fmt: skip
         train_files, held_files = (
             tokenize_files(tokenizer, train_texts),
             tokenize_files(tokenizer, held_texts),
@@ -136,8 +148,12 @@ def phase_data(work: Path, size: Size, tokenizer: Any, train_files: list, held_f
         return json.loads(meta_path.read_text())
     rng = np.random.default_rng(seed + 1)
     spec = size.data
-    prompts = cut_prompts(train_files, spec.train_rows, spec, rng) + cut_prompts(
-        held_files, spec.eval_rows, spec, rng
+    cut = cut_prompts
+    if size.target.kind == "prose":  # a user turn and the beginning of its answer
+        header = np.asarray(tokenizer(ASSISTANT, add_special_tokens=False)["input_ids"], dtype=np.int32)
+        cut = partial(cut_chat_prompts, header=header)
+    prompts = cut(train_files, spec.train_rows, spec, rng=rng) + cut(
+        held_files, spec.eval_rows, spec, rng=rng
     )
     start = time.perf_counter()
     answers = greedy_continuations(
@@ -225,41 +241,12 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
     return run
 
 
-def pack(work: Path, dest: Path, part_bytes: int = 15 * 2**20) -> list[Path]:
-    """target/ and data/ as tar parts small enough to travel back from a GPU machine."""
-    import tarfile
-
-    dest.mkdir(parents=True, exist_ok=True)
-    tar_path = dest / "quality-work.tar"
-    with tarfile.open(tar_path, "w") as tar:
-        for name in ("target", "data"):
-            tar.add(work / name, arcname=name)
-    blob = tar_path.read_bytes()
-    tar_path.unlink()
-    parts = []
-    for i in range(0, len(blob), part_bytes):
-        part = dest / f"quality-work.tar.{i // part_bytes:02d}"
-        part.write_bytes(blob[i : i + part_bytes])
-        parts.append(part)
-    return parts
-
-
-def unpack(src: Path, work: Path) -> bool:
-    """The inverse of `pack` (no-op when target/ is already there or no parts exist)."""
-    import io
-    import tarfile
-
-    parts = sorted(src.glob("quality-work.tar.*"))
-    if (work / "target").exists() or not parts:
-        return False
-    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
-        tar.extractall(work, filter="data")
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="quick")
+    p.add_argument("--target", choices=TARGET_KINDS, default="code",
+                   help="the target LM: code (Qwen3 on Python), prose (Qwen3 on chat rows of docs), hybrid "
+                   "(Qwen3.5's Gated DeltaNet + attention on Python); each but code works in --work/<target>")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="--size quick (one seed)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--work", default=".bench/quality", help="phase outputs (reused when present)")
@@ -301,9 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         size = replace(size, fractions=tuple(float(f) for f in args.fractions.split(",")))
     if args.steps:
         size = replace(size, drafter=replace(size.drafter, steps=args.steps))
-    work = Path(args.work)
+    size = replace(size, target=replace(size.target, kind=args.target))
+    work = target_work(Path(args.work), args.target)
     work.mkdir(parents=True, exist_ok=True)
-    if args.unpack and unpack(Path(args.unpack), work):
+    if args.unpack and unpack(Path(args.unpack), work, args.target):
         print(f"unpacked target/ and data/ from {args.unpack}", flush=True)
     seconds: dict[str, float] = {}
 
@@ -321,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "data", lambda: phase_data(work, size, tokenizer, train_files, held_files, args.device, args.seed)
     )
     if args.pack:
-        print(f"packed: {[str(x) for x in pack(work, Path(args.pack))]}", flush=True)
+        print(f"packed: {[str(x) for x in pack(work, Path(args.pack), kind=args.target)]}", flush=True)
     codecs = args.codecs.split(",") if args.codecs else list(size.codecs)
     if args.stop_after == "data":
         return 0
@@ -363,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds["evaluate (during train)"] = round(scorer.seconds, 1)
     baselines = scorer.baselines
     report = {
+        "target_kind": args.target,
         "size": asdict(size),
         "target": info,
         "data": {k: v for k, v in meta.items() if k != "eval_rows"},
@@ -377,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     (work / args.runs_dir / "quality.json").write_text(json.dumps(report, indent=1) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"target: {info['params'] / 1e6:.1f}M params, LM loss {info['first_loss']:.2f} -> {info['final_loss']:.2f} "
+    print(f"target {args.target}: {info['params'] / 1e6:.1f}M params, LM loss {info['first_loss']:.2f} -> {info['final_loss']:.2f} "
           f"({info['train_tokens'] / 1e6:.1f}M tokens, {info['seconds']:.0f} s); data: {meta['rows']} rows, "
           f"{meta['tokens'] / 1e6:.2f}M tokens; corpus sha256 {str(info['corpus'].get('sha256'))[:16]}")  # fmt: skip
     if good:

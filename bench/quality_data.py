@@ -1,5 +1,6 @@
-"""The quality benchmark's target and data: a small Qwen3 LM trained here on Python sources, and its greedy
-continuations as the drafter's training and evaluation rows.
+"""The quality benchmark's target and data: a small LM trained here on Python sources (a Qwen3 one, or with
+`TargetSpec.kind` "hybrid" Qwen3.5's Gated DeltaNet decoder; "prose" trains the Qwen3 shape on the chat rows of
+`quality_prose`), and its greedy continuations as the drafter's training and evaluation rows.
 
 Nothing is downloaded: the corpus is the `.py` files of the standard library and of packages installed on
 every machine that runs dflash (torch, transformers). Files are split by a hash of their relative path, so
@@ -28,7 +29,9 @@ CORPUS_PACKAGES = ("torch", "transformers")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TargetSpec:
-    """The target LM and how long it trains."""
+    """The target LM and how long it trains. `kind`: "code" (a Qwen3 LM on Python sources), "prose" (the
+    same shape on chat rows of docstrings and documents, `quality_prose`) or "hybrid" (a Qwen3.5 text LM,
+    Gated DeltaNet and full attention layers 3:1, on the code corpus)."""
 
     vocab: int  # BPE vocabulary (the embedding table is padded past it: the mask token's row)
     hidden: int
@@ -42,6 +45,7 @@ class TargetSpec:
     lr: float
     corpus_mb: float  # text read from the source files (train + held-out)
     bpe_mb: float  # of which the tokenizer learns from
+    kind: str = "code"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,13 +63,19 @@ class DataSpec:
 # --- corpus -------------------------------------------------------------------------------------------
 
 
-def source_files() -> list[tuple[str, Path]]:
-    """(stable name, path) of every .py file of the stdlib and CORPUS_PACKAGES, sorted by name."""
-    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
+def package_roots() -> list[tuple[str, Path]]:
+    """(name, folder) of each installed CORPUS_PACKAGES package."""
+    roots = []
     for name in CORPUS_PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations:
             roots.append((name, Path(next(iter(spec.submodule_search_locations)))))
+    return roots
+
+
+def source_files() -> list[tuple[str, Path]]:
+    """(stable name, path) of every .py file of the stdlib and CORPUS_PACKAGES, sorted by name."""
+    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"])), *package_roots()]
     files = []
     for label, root in roots:
         for path in root.rglob("*.py"):
@@ -99,19 +109,26 @@ def read_corpus(max_bytes: int, seed: int) -> tuple[list[str], list[str], dict[s
         used += len(text)
         if used >= max_bytes:
             break
+    return train, held, corpus_stats(train, held, used, len(train) + len(held), len(held))
+
+
+def corpus_stats(
+    train: list[str], held: list[str], used: int, files: int, heldout_files: int
+) -> dict[str, Any]:
     digest = hashlib.sha256()
     for text in train + held:  # what the target learns from: tells two machines' corpora apart
         digest.update(hashlib.sha256(text.encode()).digest())
-    stats = {"files": len(train) + len(held), "heldout_files": len(held), "bytes": used,
-             "sha256": digest.hexdigest()}  # fmt: skip
-    return train, held, stats
+    return {"files": files, "heldout_files": heldout_files, "bytes": used, "sha256": digest.hexdigest()}
 
 
 # --- tokenizer and target ---------------------------------------------------------------------------------
 
 
-def build_tokenizer(texts: list[str], vocab: int, out: Path, max_bytes: int) -> Any:
-    """Byte-level BPE learned from the first `max_bytes` of `texts`, saved as an HF tokenizer in `out`."""
+def build_tokenizer(
+    texts: list[str], vocab: int, out: Path, max_bytes: int, extra_special: tuple[str, ...] = ()
+) -> Any:
+    """Byte-level BPE learned from the first `max_bytes` of `texts`, saved as an HF tokenizer in `out`;
+    `extra_special` tokens (the chat markers) are single tokens after PAD."""
     from dflash.tools.tiny import train_bpe_tokenizer
 
     sample, used = [], 0
@@ -121,7 +138,7 @@ def build_tokenizer(texts: list[str], vocab: int, out: Path, max_bytes: int) -> 
         if used >= max_bytes:
             break
     return train_bpe_tokenizer(
-        sample, out, vocab_size=vocab, special_tokens=[PAD], eos_token=PAD, pad_token=PAD
+        sample, out, vocab_size=vocab, special_tokens=[PAD, *extra_special], eos_token=PAD, pad_token=PAD
     )
 
 
@@ -130,12 +147,14 @@ def tokenize_files(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.int32) for ids in encoded]
 
 
+TARGET_KINDS = ("code", "prose", "hybrid")
+
+
 def target_config(spec: TargetSpec, tokenizer: Any) -> Any:
     from dflash.tools.tiny import padded_vocab_size
-    from transformers import Qwen3Config
 
     pad_id = tokenizer.convert_tokens_to_ids(PAD)
-    return Qwen3Config(
+    shape = dict(
         vocab_size=padded_vocab_size(len(tokenizer)),
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
@@ -144,12 +163,48 @@ def target_config(spec: TargetSpec, tokenizer: Any) -> Any:
         num_key_value_heads=spec.kv_heads,
         head_dim=spec.hidden // spec.heads,
         max_position_embeddings=4096,
-        rope_theta=1e6,
         tie_word_embeddings=True,
         eos_token_id=pad_id,
         pad_token_id=pad_id,
         bos_token_id=None,
     )
+    if spec.kind == "hybrid":
+        return hybrid_config(spec, shape)
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**shape, rope_theta=1e6)
+
+
+def hybrid_config(spec: TargetSpec, shape: dict[str, Any]) -> Any:
+    """Qwen3.5's text decoder scaled down: three Gated DeltaNet layers to one full attention layer, twice as
+    many value heads as key heads, a 4-tap short convolution and a quarter of each head rotated, as the
+    released configs have. Keys and values each span half the hidden size (key heads as wide as the attention
+    heads, value heads half as wide), so the model holds what the code target does within 2% at every size."""
+    from transformers import Qwen3_5TextConfig
+
+    head_dim = spec.hidden // spec.heads
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(spec.layers)]
+    return Qwen3_5TextConfig(
+        **shape,
+        layer_types=layer_types,
+        linear_num_key_heads=max(1, spec.heads // 2),
+        linear_num_value_heads=spec.heads,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=max(1, head_dim // 2),
+        linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+    )
+
+
+def target_model(config: Any) -> Any:
+    """A freshly initialised causal LM of `config` (Qwen3, or Qwen3.5's text decoder)."""
+    if config.model_type == "qwen3_5_text":
+        from transformers import Qwen3_5ForCausalLM
+
+        return Qwen3_5ForCausalLM(config)
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(config)
 
 
 def train_target(
@@ -175,13 +230,12 @@ def _train_target(
     spec: TargetSpec, tokenizer: Any, files: list[np.ndarray], out: Path, device: str, seed: int
 ) -> dict[str, Any]:
     import torch
-    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     stream = np.concatenate(files)
     rng = np.random.default_rng(seed)
     config = target_config(spec, tokenizer)
-    model = Qwen3ForCausalLM(config).to(device)
+    model = target_model(config).to(device)
     model.train()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda" or None

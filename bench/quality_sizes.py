@@ -1,5 +1,7 @@
 """The quality benchmark's sizes (target, data and drafter recipe per size) and its plan of runs: every
-recipe variant x codec x seed, and the data-size curve (`bench/bench_quality.py` runs them)."""
+recipe variant x codec x seed, and the data-size curve (`bench/bench_quality.py` runs them). A size's target
+is the code one; `--target` replaces its `kind` (prose, hybrid) and keeps the shape, vocabulary and budget, so
+every target of a size trains the same steps on the same number of parameters (the hybrid within 2%)."""
 
 from __future__ import annotations
 

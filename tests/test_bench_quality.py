@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_quality
+from bench import bench_quality, quality_data
 from bench.quality_report import SPLIT_CLASSES, print_split_table
 
 
@@ -116,3 +116,201 @@ def test_split_table_prints_each_runs_classes_and_skips_old_reports(capsys) -> N
     report["baselines"]["untrained"] = {"tau": 1.0}
     print_split_table(report)
     assert capsys.readouterr().out == ""
+
+
+# --- more targets: prose (chat rows of docs) and hybrid (Qwen3.5's Gated DeltaNet) ---------------------------
+
+
+def _run_target(work: Path, target: str, *extra: str) -> dict:
+    """One target at the ci size on one cache and all rows: what its own baseline and drafter need."""
+    argv = ["--size", "ci", "--device", "cpu", "--work", str(work), "--target", target]
+    assert bench_quality.main([*argv, "--codecs", "lossless", "--fractions", "1", *extra]) == 0
+    return json.loads((work / target / "runs" / "quality.json").read_text())
+
+
+def _assert_scored(report: dict, target: str) -> None:
+    assert report["target_kind"] == target == report["size"]["target"]["kind"]
+    lookup, (run,) = report["baselines"]["prompt_lookup"], report["runs"]
+    b = bench_quality.SIZES["ci"].drafter.block_size
+    assert lookup["eval_samples"] == run["eval_samples"] == bench_quality.SIZES["ci"].data.eval_rows
+    assert 1.0 <= lookup["tau_walk"] <= b and 1.0 <= run["tau"] <= b and 1.0 <= run["tau_walk"] <= b
+
+
+@pytest.mark.slow
+def test_prose_target_trains_on_chat_rows_and_packs_into_its_own_folder(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    work, pack = tmp_path / "q", tmp_path / "pack"
+    report = _run_target(work, "prose", "--pack", str(pack))
+    _assert_scored(report, "prose")
+    assert "target prose:" in capsys.readouterr().out
+    assert not (work / "target").exists()  # the code target's place is left to it
+    # Every row's prompt is a user turn and the start of the assistant's answer; the target's continuation
+    # (the supervised part) follows it.
+    import pyarrow as pa
+
+    tokenizer = AutoTokenizer.from_pretrained(str(work / "prose" / "target"))
+    rows = pa.ipc.open_file(str(work / "prose" / "data" / "rows.arrow")).read_all()
+    for ids, mask in zip(rows["input_ids"].to_pylist(), rows["loss_mask"].to_pylist(), strict=True):
+        prompt = tokenizer.decode(ids[: mask.index(1)])
+        assert prompt.startswith("<|im_start|>user\n") and "<|im_end|>\n<|im_start|>assistant\n" in prompt
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") != tokenizer.unk_token_id
+    # What the target read is chat rows of prose read from this machine: no line of Python among them.
+    import numpy as np
+
+    from bench.quality_prose import _CODE_LINE
+
+    corpus = tokenizer.decode(np.load(work / "prose" / "tokens" / "train.npy").tolist())
+    turns = corpus.split("<|im_start|>")[1:]
+    assert len(turns) > 100 and all(t.startswith(("user\n", "assistant\n")) for t in turns)
+    assert _CODE_LINE.search(corpus) is None
+    # Its pack parts are its own and carry everything a later call needs: no corpus is read again.
+    assert sorted(p.name for p in pack.iterdir()) == ["quality-work-prose.tar.00"]
+
+    def no_corpus(*_args):
+        raise AssertionError("the corpus was read again")
+
+    monkeypatch.setattr(bench_quality, "read_prose_corpus", no_corpus)
+    again = tmp_path / "again"
+    argv = [
+        "--size",
+        "ci",
+        "--device",
+        "cpu",
+        "--work",
+        str(again),
+        "--target",
+        "prose",
+        "--unpack",
+        str(pack),
+    ]
+    assert bench_quality.main([*argv, "--stop-after", "data"]) == 0
+    for name in ("target/model.safetensors", "target/tokenizer.json", "data/rows.arrow"):
+        assert (again / "prose" / name).read_bytes() == (work / "prose" / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_hybrid_target_is_a_gated_deltanet_model_through_every_phase(tmp_path: Path) -> None:
+    report = _run_target(tmp_path, "hybrid")
+    _assert_scored(report, "hybrid")
+    config = json.loads((tmp_path / "hybrid" / "target" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["tie_word_embeddings"]
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    manifest = json.loads((tmp_path / "hybrid" / "cache-lossless" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["target"]["model_type"] == "qwen3_5_text"
+    # About the code target's size, so `--size quick` fits the same time on a GPU.
+    code = quality_data.target_config(bench_quality.SIZES["quick"].target, _Vocab(4096))
+    hybrid_spec = replace(bench_quality.SIZES["quick"].target, kind="hybrid")
+    sizes = [_params(c) for c in (code, quality_data.target_config(hybrid_spec, _Vocab(4096)))]
+    assert abs(sizes[1] / sizes[0] - 1) < 0.02
+
+
+class _Vocab:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def convert_tokens_to_ids(self, _token: str) -> int:
+        return 0
+
+
+def _params(config) -> int:
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in quality_data.target_model(config).parameters())
+
+
+_SOURCE = '''"""A module about parsing configuration files, written for people who read it in a terminal window. It says so plainly and at some length, so that nobody has to guess."""
+
+
+class Reader:
+    """Reads a configuration file and remembers every section it has seen so far, in the order met. It says so plainly and at some length, so that nobody has to guess."""
+
+    def read(self, path):
+        """Opens the file at the given path and returns the sections found in it, one after the other, as a list. It says so plainly and at some length, so that nobody has to guess."""
+
+    def example(self):
+        """Shows the reader at work on a small file of two sections.
+
+        >>> Reader().read("settings.ini")
+        ['main', 'extra']
+        """
+'''
+
+_DOCUMENT = """Installing the package
+======================
+
+The package installs with the ordinary installer and needs nothing else on the machine where it runs.
+It reads its settings from a file in the home folder when one is there, and uses its defaults otherwise.
+
+    pip install --upgrade example-package
+    {"settings": [1, 2, 3], "more": {"a": 1}}
+
+Everything it writes goes to a folder of its own, so removing that folder removes every trace of it.
+"""
+
+
+def test_prose_rows_are_chat_turns_of_docstrings_and_documents_without_code(tmp_path: Path) -> None:
+    from bench.quality_prose import ASSISTANT, chat_row, docstring_rows, document_rows, is_prose
+
+    rows = list(docstring_rows(_SOURCE, "pkg.config"))
+    # Qualified names; the docstring with a doctest is code, not prose, and is left out.
+    assert rows == [
+        chat_row("Explain pkg.config.", _SOURCE.split('"""')[1]),
+        chat_row("Explain pkg.config.Reader.", _SOURCE.split('"""')[3]),
+        chat_row("Explain pkg.config.Reader.read.", _SOURCE.split('"""')[5]),
+    ]
+    assert rows[0].startswith("<|im_start|>user\nExplain pkg.config.<|im_end|>\n" + ASSISTANT)
+    (section,) = document_rows(_DOCUMENT)
+    user, answer = section.removesuffix("<|im_end|>\n").split(ASSISTANT)
+    assert user == "<|im_start|>user\nExplain Installing the package.<|im_end|>\n"
+    # The indented literal block (a command, JSON) is dropped; the prose around it is kept.
+    assert "pip install" not in answer and "settings" in answer and answer.endswith("every trace of it.")
+    assert not is_prose("def f(x):\n    return x + 1\n" * 20) and not is_prose("| 1 | 2 | 3 |\n" * 40)
+
+
+def test_prose_corpus_holds_sources_out_by_name_and_never_repeats_an_answer(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from bench import quality_prose
+
+    doc = "A paragraph of plain words that explain how the example works, sentence after sentence. " * 3
+    names = [f"stdlib/notes/file{i}.txt" for i in range(40)]
+    assert 0 < sum(map(quality_data.is_heldout, names)) < len(names)
+    sources = []
+    for i, name in enumerate(names):
+        (tmp_path / f"{i}.txt").write_text(f"Topic {i}\n========\n\n{doc}{i}.\n")
+        sources.append((name, tmp_path / f"{i}.txt"))
+    (tmp_path / "dup.txt").write_text((tmp_path / "0.txt").read_text())  # file0's row, word for word
+    sources.append(("stdlib/notes/zz-copy.txt", tmp_path / "dup.txt"))
+    monkeypatch.setattr(quality_prose, "prose_sources", lambda: sources)
+    train, held, stats = quality_prose.read_prose_corpus(10**9, seed=0)
+    assert stats["files"] == len(names) and stats["heldout_files"] == sum(map(quality_data.is_heldout, names))
+    for i, name in enumerate(names):
+        (row,) = [r for r in train + held if f"Explain Topic {i}." in r]
+        assert (row in held) == quality_data.is_heldout(name)
+    assert not set(train) & set(held) and len(train) + len(held) == len(set(train + held)) == len(names)
+    assert all(r.startswith("<|im_start|>user\n") and r.endswith("<|im_end|>\n") for r in train + held)
+    # A different seed reads the same sources in another order, and splits them the same way.
+    _, held2, stats2 = quality_prose.read_prose_corpus(10**9, seed=1)
+    assert sorted(held2) == sorted(held) and stats2["sha256"] != stats["sha256"]
+
+
+def test_chat_prompts_are_a_user_turn_and_the_start_of_its_answer() -> None:
+    import numpy as np
+
+    from bench.quality_data import DataSpec
+    from bench.quality_prose import cut_chat_prompts
+
+    header = np.array([7, 8], dtype=np.int32)
+    rows = [np.array([1, 2, 3, 7, 8, *range(20, 60)], dtype=np.int32), np.array([1, 2] * 40, np.int32)]
+    spec = DataSpec(train_rows=0, eval_rows=0, prompt_min=4, prompt_max=12, new_tokens=4, gen_batch=1)
+    prompts = cut_chat_prompts(rows, 50, spec, header=header, rng=np.random.default_rng(0))
+    lengths = {len(p) for p in prompts}
+    assert min(lengths) == 6 and max(lengths) == 12 and len(lengths) > 3  # >= 1 answer token, <= prompt_max
+    assert all((p == rows[0][: len(p)]).all() for p in prompts)  # the row without a header is never cut

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Every quality-benchmark target side by side on one GPU machine, detached, so that a rationed machine's
+# later calls can follow the runs and collect their reports (each call may be cut at its time limit):
+#
+#   bash bench/quality_targets.sh start W "code prose hybrid" [bench_quality.py flags...]
+#   bash bench/quality_targets.sh poll W SECONDS [DEST]   # progress every 30 s; reports copied to DEST
+#
+# `start` runs `bench/bench_quality.py --target T --work W/T FLAGS` for each target T under setsid (its log:
+# W/T.log). `poll` prints each target's phase and each run's last metrics line until every target has
+# written its report or SECONDS pass, then copies each target's quality.json and the logs' tails into DEST.
+set -u
+cmd=${1:?start or poll}
+work=${2:?work folder}
+case "$cmd" in
+start)
+  targets=${3:?targets}
+  shift 3
+  mkdir -p "$work"
+  for t in $targets; do
+    setsid nohup python3 bench/bench_quality.py --target "$t" --work "$work/$t" "$@" >"$work/$t.log" 2>&1 &
+    echo "started $t (log $work/$t.log)"
+  done
+  ;;
+poll)
+  seconds=${3:?seconds}
+  dest=${4:-}
+  end=$((SECONDS + seconds))
+  while :; do
+    pending=0
+    for log in "$work"/*.log; do
+      t=$(basename "$log" .log)
+      if ! grep -q "^phases (s):" "$log" 2>/dev/null; then pending=$((pending + 1)); fi
+      echo "== $t: $(grep -E '^\[' "$log" | tail -n 1)"
+      for m in $(find "$work/$t" -name metrics.jsonl 2>/dev/null | sort); do
+        line=$(grep '"tau_walk"' "$m" | tail -n 1)
+        last=$(tail -n 1 "$m")
+        python3 - "$m" "$line" "$last" <<'EOF'
+import json, sys
+path, ev, last = sys.argv[1], sys.argv[2], sys.argv[3]
+run = path.split("/")[-2]
+step = json.loads(last).get("step") if last else None
+e = json.loads(ev) if ev else {}
+keys = ("step", "tau", "tau_walk", "tau_walk_lookup")
+print(f"   {run}: step {step}; last eval " + ", ".join(f"{k} {e[k]}" for k in keys if k in e))
+EOF
+      done
+    done
+    if [ "$pending" -eq 0 ] || [ "$SECONDS" -ge "$end" ]; then break; fi
+    sleep 30
+  done
+  if [ -n "$dest" ]; then
+    mkdir -p "$dest"
+    for log in "$work"/*.log; do
+      t=$(basename "$log" .log)
+      tail -n 60 "$log" >"$dest/$t.log.tail"
+      q=$(find "$work/$t" -name quality.json 2>/dev/null | head -n 1)
+      if [ -n "$q" ]; then cp "$q" "$dest/$t-quality.json"; fi
+    done
+  fi
+  ;;
+*)
+  echo "usage: $0 start|poll ..." >&2
+  exit 2
+  ;;
+esac

@@ -45,6 +45,11 @@ def _train_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="run directory: checkpoints/, metrics.jsonl, plots/, export/")
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     run.add_argument(
+        "--resume-from",
+        metavar="CHECKPOINT",
+        help="continue from this checkpoint of --out (RUN/checkpoints/step_NNNNNN) instead of the latest",
+    )
+    run.add_argument(
         "--dry-run",
         action="store_true",
         help="run every start-up check (no GPU needed, nothing written) and print the plan: drafter size, "

@@ -28,6 +28,7 @@ from dflash.shards.layers import resolve_layer_ids
 from dflash.shards.locks import FileLock, take_lock
 from dflash.shards.outdir import claim_out_dir
 from dflash.shards.paths import LOCK_NAME
+from dflash.shards.row_ledger import unaccounted_rows
 from dflash.shards.target_files import check_target_files
 
 from . import checkpoint as ckpt
@@ -148,8 +149,17 @@ def checked_parts(
 
 
 def check_shard_files(cache: Cache, on_corrupt: str) -> None:
-    """Every listed shard present at its recorded size, by stat alone: under --on-corrupt fail a missing or
-    truncated shard is refused now, not when the loader reaches it hours in; under skip it is named once."""
+    """Every listed shard present at its recorded size, by stat alone, and the manifest accounting for every
+    dataset row: under --on-corrupt fail a missing or truncated shard, or rows no entry lists, are refused now,
+    not found missing hours in (or never); under skip they are named once."""
+    gap = unaccounted_rows(cache.manifest, cache.path)
+    if gap is not None:
+        if on_corrupt == "fail":
+            raise ShardError(
+                f"{cache.path}: {gap}: a shard's entry removed from manifest.json? (`dflash-shards verify` "
+                "names the rows; pass --on-corrupt skip to train on the rows it lists)"
+            )
+        log.warning("%s: %s; training on the rows it lists (--on-corrupt skip)", cache.path, gap)
     problems = list(cache.shard_file_problems().values())
     if not problems:
         return

@@ -5,6 +5,7 @@ line and exit 2 (or, for the stray file, a resume that completes), never a trace
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -66,6 +67,21 @@ def test_truncated_target_is_one_line_and_out_untouched(
     line = one_error_line(capsys.readouterr().err, "dflash-extract")
     assert str(weights) in line and ("cut short" in line or "not a safetensors file" in line), line
     assert not out.exists()  # refused before --out was claimed: no .dflash, .lock or manifest left
+
+
+def test_cache_files_have_the_umasks_mode(tmp_path: Path, qwen3: Path, dataset: Path) -> None:
+    """What extraction publishes (manifest, shards, target/ with its safetensors file) is readable by the
+    group when the umask says so: safetensors alone writes 0600."""
+    old = os.umask(0o002)
+    try:
+        out = tmp_path / "cache"
+        run_extraction(make_config(qwen3, dataset, out, unit_bytes=8 << 10))
+    finally:
+        os.umask(old)
+    files = [out / "manifest.json", *out.glob("shards/*"), *out.glob("target/*")]
+    assert (out / "target" / "frozen.safetensors") in files and len(list(out.glob("shards/*"))) >= 2
+    modes = {str(p.relative_to(out)): oct(p.stat().st_mode & 0o777) for p in files}
+    assert set(modes.values()) == {oct(0o664)}, modes
 
 
 # --- a stray file named like a shard plus a newline ------------------------------------------------------------

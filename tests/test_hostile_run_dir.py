@@ -231,8 +231,9 @@ def test_every_checkpoint_damaged_says_so(run: Path, template: Path, capsys) -> 
 # --- what a run publishes is readable as any file is -------------------------------------------------------
 
 
-def test_published_files_have_the_umasks_mode(run_template: Path, template: Path, tmp_path: Path) -> None:
-    old = os.umask(0o022)
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_published_files_have_the_umasks_mode(template: Path, tmp_path: Path, umask: int) -> None:
+    old = os.umask(umask)
     try:
         out = tmp_path / "run"
         argv = tiny_train_argv(
@@ -241,14 +242,17 @@ def test_published_files_have_the_umasks_mode(run_template: Path, template: Path
         assert train_cli.main(argv) == 0
         assert train_cli.main(["export", str(out), "--out", str(tmp_path / "drafter")]) == 0
         expected = new_file_mode()
-        assert expected == 0o644
+        assert expected == 0o666 & ~umask
         files = [
+            out / "config.json",
+            out / "metrics.jsonl",
             *out.glob("checkpoints/*/*"),
             *out.glob("best/*"),
             *out.glob("export/*"),
             *(tmp_path / "drafter").glob("*"),
         ]
-        assert {p.name for p in files} >= {"model.safetensors", "optimizer.safetensors", "config.json"}
+        names = {p.name for p in files}
+        assert names >= {"model.safetensors", "optimizer.safetensors", "rng.safetensors", "dflash.py"}
         modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
         assert set(modes.values()) == {oct(expected)}, modes
     finally:

@@ -71,17 +71,27 @@ def take_lock(path: Path, busy: str, **fields: Any) -> FileLock:
     when its process dies, so a killed holder never blocks the next command."""
     lock = FileLock(path)
     if not lock.acquire():
-        info: dict[str, Any] = {}
-        for _ in range(20):  # the holder writes its description right after it locks
-            info = read_holder(path)
-            if info:
-                break
-            time.sleep(0.05)
-        raise Locked(
-            f"{busy} ({holder_text(info)}; lock {path.name}); wait for it to finish or choose another --out"
-        )
+        raise _refusal(path, busy)
     lock.write(holder_info(**fields))
     return lock
+
+
+def refuse_if_held(path: Path, busy: str) -> None:
+    """`take_lock`'s refusal without taking the lock (a dry run's check): Locked when another holds `path`."""
+    if is_held(path):
+        raise _refusal(path, busy)
+
+
+def _refusal(path: Path, busy: str) -> Locked:
+    info: dict[str, Any] = {}
+    for _ in range(20):  # the holder writes its description right after it locks
+        info = read_holder(path)
+        if info:
+            break
+        time.sleep(0.05)
+    return Locked(
+        f"{busy} ({holder_text(info)}; lock {path.name}); wait for it to finish or choose another --out"
+    )
 
 
 def holder_info(**fields: Any) -> dict[str, Any]:

@@ -135,7 +135,12 @@ def test_trainer_and_resume_refused_while_a_trainer_holds_the_run(
 ) -> None:
     proc = holder(run)
     before = tree_snapshot(run / "checkpoints")
-    for extra in (("--seed", "2"), ("--resume",), ("--resume", "--max-steps", "6")):
+    for extra in (
+        ("--seed", "2"),
+        ("--resume",),
+        ("--resume", "--max-steps", "6"),
+        ("--resume", "--dry-run"),
+    ):
         argv = tiny_train_argv(
             template, run, "--max-steps", "4", "--save-every", "2", "--eval-every", "0", *extra, *QUIET
         )

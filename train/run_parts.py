@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from dflash.shards import Cache, ShardError
 from dflash.shards.layers import resolve_layer_ids
-from dflash.shards.locks import FileLock, take_lock
+from dflash.shards.locks import FileLock, refuse_if_held, take_lock
 from dflash.shards.outdir import claim_out_dir
 from dflash.shards.paths import LOCK_NAME
 from dflash.shards.row_ledger import unaccounted_rows
@@ -108,9 +108,16 @@ def open_run(cfg: TrainConfig, clock: StartupClock) -> RunParts:
 
 def lock_run_dir(run_dir: Path) -> FileLock:
     """The run directory's writer lock (`RUN/.lock`, as a cache's), held by rank 0 until the run closes."""
-    return take_lock(
-        run_dir / LOCK_NAME, f"{run_dir} is being written by another dflash-train", command="dflash-train"
-    )
+    return take_lock(run_dir / LOCK_NAME, _busy(run_dir), command="dflash-train")
+
+
+def check_run_unlocked(run_dir: Path) -> None:
+    """`lock_run_dir`'s refusal, for the dry run (which takes no lock)."""
+    refuse_if_held(run_dir / LOCK_NAME, _busy(run_dir))
+
+
+def _busy(run_dir: Path) -> str:
+    return f"{run_dir} is being written by another dflash-train"
 
 
 def release_lock(lock: FileLock | None) -> None:

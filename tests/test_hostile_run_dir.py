@@ -57,11 +57,10 @@ def run(run_template: Path, tmp_path: Path) -> Path:
 
 def _seeds(run: Path) -> set[int]:
     """The seed of every record the run directory holds: its config.json and each checkpoint's meta.json."""
-    metas = [run / "config.json", *run.glob("checkpoints/step_*/meta.json"), *run.glob("best/meta.json")]
-    return {
-        json.loads(p.read_text()).get("seed", json.loads(p.read_text()).get("config", {}).get("seed"))
-        for p in metas
-    }
+    seeds = {json.loads((run / "config.json").read_text())["seed"]}
+    for meta in [*run.glob("checkpoints/step_*/meta.json"), *run.glob("best/meta.json")]:
+        seeds.add(json.loads(meta.read_text())["config"]["seed"])
+    return seeds
 
 
 # --- two trainers, one --out ---------------------------------------------------------------------------------
@@ -69,48 +68,30 @@ def _seeds(run: Path) -> set[int]:
 
 def test_two_trainers_started_together_one_refused_run_unmixed(template: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
+    flags = ("--save-every", "3", "--eval-every", "5", *QUIET)
     procs = {
         seed: subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                TRAIN,
-                *tiny_train_argv(
-                    template,
-                    out,
-                    "--seed",
-                    str(seed),
-                    "--epochs",
-                    "6",
-                    "--save-every",
-                    "5",
-                    "--eval-every",
-                    "5",
-                    *QUIET,
-                ),
-            ],
+            [sys.executable, "-c", TRAIN, *tiny_train_argv(template, out, "--seed", str(seed), *flags)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
         for seed in (1, 2)
     }
-    results = {seed: (p.wait(timeout=300), p.stderr.read()) for seed, p in procs.items()}  # type: ignore[union-attr]
-    codes = sorted(rc for rc, _ in results.values())
-    assert codes == [0, 2], results
-    winner = next(seed for seed, (rc, _) in results.items() if rc == 0)
-    loser_err = next(err for rc, err in results.values() if rc == 2)
-    line = one_error_line(loser_err, PROG)
-    # Started together, the second either finds the lock held or, if the first already finished, its
-    # checkpoints (never both running: the old code let both train into one directory).
+    results = {seed: (p.communicate(timeout=300)[1], p.returncode) for seed, p in procs.items()}
+    assert sorted(rc for _, rc in results.values()) == [0, 2], results
+    winner = next(seed for seed, (_, rc) in results.items() if rc == 0)
+    line = one_error_line(next(err for err, rc in results.values() if rc == 2), PROG)
+    # Started together, the second finds the lock held or, if the first already finished, its checkpoints:
+    # never both training (the old code let both write one directory, and exit 0).
     assert "being written by another dflash-train (pid " in line or "already holds checkpoints" in line, line
-    assert len(list(out.glob("checkpoints/step_*"))) >= 2
+    assert len(list(out.glob("checkpoints/step_*"))) >= 2 and (out / "export" / "model.safetensors").is_file()
     assert _seeds(out) == {winner}
 
 
 @pytest.fixture
 def holder(tmp_path: Path):
-    """Start a process holding `RUN/.lock` as a running trainer would; yields (process, run dir)."""
+    """`start(run)`: a process holding `RUN/.lock` as a running trainer would, until the test ends."""
     procs = []
 
     def start(run: Path) -> subprocess.Popen[str]:

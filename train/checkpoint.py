@@ -149,7 +149,10 @@ def older_intact_hint(run_dir: str | Path, damaged: Path) -> str:
     older = [path for step, path in reversed(list_checkpoints(run_dir)) if step < newest]
     for path in older:
         if checkpoint_damage(path) is None:
-            return f"; the newest intact checkpoint before it is {path.name}: continue from it with --resume-from {path}"
+            return (
+                f"; the newest intact checkpoint before it is {path.name}: continue from it with "
+                f"--resume-from {path}"
+            )
     return "; no older checkpoint is intact: start a new --out" if older else "; it is the only checkpoint"
 
 

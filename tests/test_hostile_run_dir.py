@@ -22,6 +22,7 @@ from dflash.shards import tensor_io
 from dflash.shards.tensor_io import new_file_mode
 from dflash.train import checkpoint as ckpt
 from dflash.train import cli as train_cli
+from dflash.train import export
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -172,6 +173,23 @@ def test_disk_full_while_saving_is_one_line_and_keeps_checkpoints(
     monkeypatch.undo()
     assert train_cli.main(argv) == 0  # space freed: the same command continues
     assert (run / "checkpoints" / "step_000006").is_dir()
+
+
+def test_disk_full_while_exporting_the_best_says_resume(
+    template: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(tensors, path, metadata=None) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(export, "save_tensors", full)
+    out = tmp_path / "run"
+    argv = tiny_train_argv(
+        template, out, "--max-steps", "4", "--save-every", "2", "--eval-every", "2", *QUIET
+    )
+    assert train_cli.main(argv) == 2
+    line = one_error_line(capsys.readouterr().err, PROG)
+    assert "model.safetensors" in line and "no space left on device" in line and "--resume" in line, line
+    assert not (out / "export" / "model.safetensors").exists()
 
 
 # --- a damaged newest checkpoint ---------------------------------------------------------------------------------

@@ -109,13 +109,13 @@ def read_holder(path: Path) -> dict[str, Any]:
 
 
 def holder_text(info: dict[str, Any]) -> str:
-    """`pid 123 on host (...)` for a refusal message; the extra fields a command wrote go in the brackets."""
+    """`pid 123 on host, command ..., since ...` for a refusal message (the fields the holder wrote)."""
     if not info:
         return "another process"
     extra = [f"{k.replace('_', ' ')} {info[k]}" for k in ("command", "world_size") if k in info]
     if isinstance(info.get("since"), (int, float)):
         extra.append("since " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"])))
-    return f"pid {info.get('pid')} on {info.get('host')}" + (f" ({', '.join(extra)})" if extra else "")
+    return ", ".join([f"pid {info.get('pid')} on {info.get('host')}", *extra])
 
 
 def is_held(path: Path) -> bool:

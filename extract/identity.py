@@ -14,14 +14,39 @@ import struct
 from pathlib import Path
 
 from dflash.shards.errors import ShardError
-from dflash.shards.safe_io import open_regular
+from dflash.shards.safe_io import load_json, open_regular
 
 _SAMPLE = 1 << 20
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
+def _check_covered(path: Path, header: bytes, data_bytes: int) -> None:
+    """Refuse a safetensors file whose tensors do not end where the file does: one cut short (an interrupted
+    download or copy) would otherwise pass until the target is loaded, after the cache was started."""
+    info = load_json(header, f"{path} (safetensors header)")
+    if not isinstance(info, dict):
+        raise ShardError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    ends = [
+        v["data_offsets"][1]
+        for k, v in info.items()
+        if k != "__metadata__"
+        and isinstance(v, dict)
+        and isinstance(v.get("data_offsets"), list)
+        and len(v["data_offsets"]) == 2
+        and type(v["data_offsets"][1]) is int
+    ]
+    described = max(ends, default=0)
+    if described != data_bytes:
+        state = "cut short" if described > data_bytes else "longer than its header says"
+        raise ShardError(
+            f"{path}: damaged safetensors file, {state} (its tensors need {described:,} bytes of data, the "
+            f"file holds {data_bytes:,}): an interrupted download or copy? fetch the target again"
+        )
+
+
 def weights_fingerprint(target: str | os.PathLike) -> str | None:
-    """sha256 hex over the target's safetensors files (see the module docstring); None without any."""
+    """sha256 hex over the target's safetensors files (see the module docstring); None without any. A file
+    cut short is refused here, before `--out` is claimed."""
     files = sorted(Path(target).glob("*.safetensors"))
     if not files:
         return None
@@ -35,8 +60,10 @@ def weights_fingerprint(target: str | os.PathLike) -> str | None:
             if n is None or n > min(_MAX_HEADER, size - 8):
                 raise ShardError(f"{path}: not a safetensors file (header length {n} of a {size}-byte file)")
             data = 8 + n
+            header = os.pread(fd, n, 8)
+            _check_covered(path, header, size - data)
             h.update(f"{path.name}\0{size}\0".encode())
-            h.update(os.pread(fd, n, 8))
+            h.update(header)
             h.update(os.pread(fd, min(_SAMPLE, size - data), data))
             h.update(os.pread(fd, min(_SAMPLE, size - data), max(data, size - _SAMPLE)))
         finally:

@@ -49,6 +49,7 @@ def prepare(config: ExtractConfig) -> PreparedRun:
             f"{config.dataset}: no row to extract ({ds.num_rows} rows, {len(report.skipped_rows)} skipped: "
             f"{report.counts}); pass --allow-empty to write an empty cache anyway"
         )
+    _refuse_past_positions(config, target, report)
     t2 = time.perf_counter()
     batches = plan_batches(
         report.rows, report.lengths, token_budget=config.token_budget, pad_multiple=config.pad_multiple
@@ -58,6 +59,20 @@ def prepare(config: ExtractConfig) -> PreparedRun:
     t3 = time.perf_counter()
     seconds = {"open": t1 - t0, "validate": t2 - t1, "plan": t3 - t2}
     return PreparedRun(target, layers, ds, report, batches, units, seconds)
+
+
+def _refuse_past_positions(config: ExtractConfig, target: TargetConfig, report: DatasetReport) -> None:
+    """Rows (as kept: cut to --max-len) longer than the target's `max_position_embeddings` would be run at
+    positions it was never trained on: refused, in the dry run too, rather than cached."""
+    limit = target.decoder.get("max_position_embeddings")
+    longest = int(report.lengths.max()) if len(report.lengths) else 0
+    if type(limit) is int and limit > 0 and longest > limit:
+        over = int((report.lengths > limit).sum())
+        raise ValueError(
+            f"{config.dataset}: {over:,} rows are longer than the target's max_position_embeddings {limit:,} "
+            f"(the longest {longest:,} tokens, kept up to --max-len {config.max_len:,}): the target never saw "
+            f"those positions; pass --max-len {limit} or less (rows are cut to it)"
+        )
 
 
 def plan_digest(batches: BatchPlan, units: list[WorkUnit]) -> str:

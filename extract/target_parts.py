@@ -7,7 +7,8 @@ the directory (its layout, and why a tied target stores one matrix, are document
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from dflash.shards.safe_io import read_json
 from dflash.shards.target_config import CONFIG_NAME, read_target_config
 from dflash.shards.target_parts import EMBED_KEY, EXTRA_FILES, FINAL_NORM_KEY, LM_HEAD_KEY
 from dflash.shards.target_parts import write_target_parts as write_parts
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 # Known checkpoint names, most specific first; the VLM-wrapped qwen3_5 nests the text model as language_model.
 EMBED_NAMES = (
@@ -43,7 +44,7 @@ def _weight_map(target: Path) -> dict[str, Path]:
         return {name: target / str(file) for name, file in weight_map.items()}
     single = target / "model.safetensors"
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with _readable(single), safe_open(single, framework="pt") as f:
             return dict.fromkeys(f.keys(), single)
     raise FileNotFoundError(
         f"target {target}: no model.safetensors or model.safetensors.index.json (only safetensors checkpoints are read)"
@@ -62,8 +63,18 @@ def _find(weights: Mapping[str, Path], names: tuple[str, ...], suffix: str) -> s
 
 
 def _read(weights: Mapping[str, Path], name: str) -> torch.Tensor:
-    with safe_open(weights[name], framework="pt") as f:
+    with _readable(weights[name]), safe_open(weights[name], framework="pt") as f:
         return f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """safetensors' refusal of a damaged file (multi-line, its own type) as one line naming the file."""
+    try:
+        yield
+    except SafetensorError as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ShardError(f"target {path}: not a readable safetensors file ({detail})") from None
 
 
 def read_frozen(

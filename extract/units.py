@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shards.errors import ShardError
-from dflash.shards.locks import FileLock, is_held
+from dflash.shards.locks import FileLock, holder_info, holder_text, is_held, read_holder
 from dflash.shards.manifest import Manifest, load_manifest, refuse_other_settings, save_manifest
 from dflash.shards.outdir import check_out_dir, raise_if_not_ours
 from dflash.shards.paths import (
@@ -37,7 +36,6 @@ from dflash.shards.paths import (
     shard_path,
     unit_of_shard,
 )
-from dflash.shards.safe_io import load_json, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -86,20 +84,6 @@ def assign_units(num_units: int, committed: Iterable[int], rank: int, world_size
     return [u for u in range(rank, num_units, world_size) if u not in done]
 
 
-def read_holder(path: Path) -> dict[str, Any]:
-    try:
-        info = load_json(read_regular(path, 1 << 16) or b"{}", str(path))
-    except (OSError, ShardError):
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
-def _holder_text(info: dict[str, Any]) -> str:
-    if not info:
-        return "another process"
-    return f"pid {info.get('pid')} on {info.get('host')} (world size {info.get('world_size')})"
-
-
 def _rank_lock_path(cache_dir: Path, rank: int) -> Path:
     return cache_dir / (LOCK_NAME if rank == 0 else f"{LOCK_NAME}.rank{rank}")
 
@@ -114,15 +98,7 @@ class RunLocks:
 
     def _info(self, ready: bool) -> dict[str, Any]:
         r = self.rank
-        return {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "rank": r.rank,
-            "world_size": r.world_size,
-            "run": r.run_id,
-            "ready": ready,
-            "since": time.time(),
-        }
+        return holder_info(rank=r.rank, world_size=r.world_size, run=r.run_id, ready=ready)
 
     def acquire(self) -> None:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -130,7 +106,7 @@ class RunLocks:
         if not self.lock.acquire(retry_seconds=2.0):
             holder = read_holder(self.lock.path)
             raise CacheLocked(
-                f"{self.cache_dir} is being written by another extraction ({_holder_text(holder)}; lock "
+                f"{self.cache_dir} is being written by another extraction ({holder_text(holder)}; lock "
                 f"{self.lock.path.name}); wait for it to finish or choose another --out"
             )
         self.lock.write(self._info(ready=False))
@@ -148,7 +124,7 @@ class RunLocks:
             if is_held(path) and info.get("ready"):
                 if info.get("world_size") == self.rank.world_size and info.get("run", "") == self.rank.run_id:
                     return
-                mismatch = f"; {path.name} is held by {_holder_text(info)}, a different run"
+                mismatch = f"; {path.name} is held by {holder_text(info)}, a different run"
             time.sleep(0.05)
         raise CacheLocked(
             f"rank {self.rank.rank}: rank 0 of this run did not prepare {self.cache_dir} within {timeout:.0f} s"

@@ -42,7 +42,7 @@ from .atomic import commit_dir, fresh_temp_dir
 from .cache import Cache
 from .codecs import Codec, codec_names, get_codec
 from .errors import ShardError
-from .locks import FileLock, remove_stale_temp_files
+from .locks import remove_stale_temp_files, take_lock
 from .manifest import Manifest, ShardInfo, load_manifest, refuse_other_settings, save_manifest
 from .outdir import claim_out_dir
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
@@ -257,9 +257,9 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
         if not expected.target_files:  # a source from before digests: record what is copied
             expected.target_files = digest_files(target_dir(config.source))
         claim_out_dir(config.out, "cache")  # the --out rule, before anything is created or deleted
-        lock = FileLock(config.out / LOCK_NAME)
-        if not lock.acquire():
-            raise ShardError(f"{config.out} is being written by another process (lock {LOCK_NAME})")
+        lock = take_lock(
+            config.out / LOCK_NAME, f"{config.out} is being written by another process", command="convert"
+        )
         try:
             _start(config.out, expected)
             shard_dir = config.out / SHARDS_DIR

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from .atomic import discard
 from .errors import ShardError
 from .outdir import raise_if_not_ours
 from .paths import SHARDS_DIR
-from .safe_io import open_nofollow
+from .safe_io import load_json, open_nofollow, read_regular
 
 
 class FileLock:
@@ -58,6 +59,63 @@ class FileLock:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+class Locked(ShardError):
+    """Another process holds the lock of the directory a command was about to write."""
+
+
+def take_lock(path: Path, busy: str, **fields: Any) -> FileLock:
+    """Hold `path`'s lock for this process, describing it by `fields` (e.g. `command`), or refuse in one
+    line: `busy` (what the directory is being used for), then the holder. The kernel drops an fcntl lock
+    when its process dies, so a killed holder never blocks the next command."""
+    lock = FileLock(path)
+    if not lock.acquire():
+        raise _refusal(path, busy)
+    lock.write(holder_info(**fields))
+    return lock
+
+
+def refuse_if_held(path: Path, busy: str) -> None:
+    """`take_lock`'s refusal without taking the lock (a dry run's check): Locked when another holds `path`."""
+    if is_held(path):
+        raise _refusal(path, busy)
+
+
+def _refusal(path: Path, busy: str) -> Locked:
+    info: dict[str, Any] = {}
+    for _ in range(20):  # the holder writes its description right after it locks
+        info = read_holder(path)
+        if info:
+            break
+        time.sleep(0.05)
+    return Locked(
+        f"{busy} ({holder_text(info)}; lock {path.name}); wait for it to finish or choose another --out"
+    )
+
+
+def holder_info(**fields: Any) -> dict[str, Any]:
+    """What a lock's file says about its holder: pid, host and start time, plus `fields`."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), **fields, "since": time.time()}
+
+
+def read_holder(path: Path) -> dict[str, Any]:
+    """The holder a lock file describes ({} when it cannot be read: the holder had not written it yet)."""
+    try:
+        info = load_json(read_regular(path, 1 << 16) or b"{}", str(path))
+    except (OSError, ShardError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def holder_text(info: dict[str, Any]) -> str:
+    """`pid 123 on host, command ..., since ...` for a refusal message (the fields the holder wrote)."""
+    if not info:
+        return "another process"
+    extra = [f"{k.replace('_', ' ')} {info[k]}" for k in ("command", "world_size") if k in info]
+    if isinstance(info.get("since"), (int, float)):
+        extra.append("since " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["since"])))
+    return ", ".join([f"pid {info.get('pid')} on {info.get('host')}", *extra])
 
 
 def is_held(path: Path) -> bool:

@@ -9,10 +9,12 @@ run's step checkpoints, an export's config). Nothing is ever written inside a ca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 from . import __version__
@@ -29,6 +31,11 @@ def _read_mark(path: Path) -> str | None:
     mark = path / MARK_NAME
     if not os.path.lexists(mark):
         return None
+    for _ in range(50):  # empty: created this instant by a command started together with this one
+        with contextlib.suppress(OSError):
+            if os.lstat(mark).st_size:
+                break
+        time.sleep(0.02)
     try:
         d = read_json(mark, max_bytes=1 << 16)
     except ShardError as exc:

@@ -17,7 +17,8 @@ SHARDS_DIR = "shards"
 TARGET_DIR = "target"
 LOCK_NAME = ".lock"
 SHARD_SUFFIX = ".dfs"
-_SHARD_RE = re.compile(r"^shard-(\d{6,})\.dfs$")
+# [0-9], not \d (which takes any Unicode digit); fullmatch, since `$` also matches before a final newline.
+_SHARD_RE = re.compile(r"shard-([0-9]{6,})\.dfs")
 
 
 def shard_name(unit: int) -> str:
@@ -29,7 +30,7 @@ def shard_name(unit: int) -> str:
 
 def unit_of_shard(name: str) -> int | None:
     """The work unit of a committed shard's file name; None for any other name (temp files included)."""
-    m = _SHARD_RE.match(name)
+    m = _SHARD_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 

@@ -11,6 +11,7 @@ healthy case never pays for it: training does not scan the cache before its firs
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from .errors import DuplicateRows
 from .manifest import Manifest
+from .paths import committed_shard_names
 
 _SHOW = 5  # rows named in a message; the count is exact
 _SLACK = 1 << 20  # row ids this far past the rows seen still go in the owner array (healthy ids are dense)
@@ -30,6 +32,21 @@ def suspect_repeated_rows(m: Manifest) -> bool:
         return True
     rows = m.dataset.get("rows")
     return type(rows) is int and m.rows + len(m.skipped) > rows
+
+
+def unaccounted_rows(m: Manifest, cache_dir: str | os.PathLike) -> str | None:
+    """Why a complete cache's manifest accounts for fewer rows (stored plus skipped) than its dataset has, or
+    None: a shard's entry removed from it hides that shard's rows from every reader that plans by it."""
+    rows = m.dataset.get("rows")
+    listed = m.rows + len(m.skipped)
+    if not m.complete or type(rows) is not int or listed >= rows:
+        return None
+    unlisted = sorted(set(committed_shard_names(cache_dir)) - {s.name for s in m.shards})
+    return (
+        f"its manifest accounts for {listed:,} of the dataset's {rows:,} rows ({m.rows:,} stored, "
+        f"{len(m.skipped):,} skipped)"
+        + (f"; shard files it does not list: {', '.join(unlisted[:3])}" if unlisted else "")
+    )
 
 
 class RowLedger:

@@ -123,10 +123,11 @@ def read_json(path: str | os.PathLike, max_bytes: int = 64 << 20, what: str = ""
     return load_json(read_regular(path, max_bytes, what), f"{what + ' ' if what else ''}{path}")
 
 
-def create_new(path: str | os.PathLike, mode: int = 0o644, *, replace_stale: bool = False) -> int:
+def create_new(path: str | os.PathLike, mode: int = 0o666, *, replace_stale: bool = False) -> int:
     """A write descriptor for a file created now at `path` (O_CREAT | O_EXCL | O_NOFOLLOW, relative to its
     directory's descriptor). `replace_stale` first unlinks whatever has the name (a temp file a killed
-    process left): unlinking a symlink removes the link, never its target."""
+    process left): unlinking a symlink removes the link, never its target. The umask applies to `mode`, so
+    a published file gets the permissions any new file of this process gets."""
     path = Path(path)
     dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

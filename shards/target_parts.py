@@ -23,6 +23,7 @@ when those digests vouch for it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -33,7 +34,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .atomic import commit_dir, fresh_temp_dir
 from .errors import DiskFull, ShardError
@@ -41,6 +41,7 @@ from .paths import TARGET_DIR
 from .safe_io import check_regular
 from .target_config import CONFIG_NAME, TargetConfig, read_target_config
 from .target_files import digest_files, target_file_problems
+from .tensor_io import save_tensors
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +133,16 @@ def write_target_parts(
 
 
 def _save_frozen(tensors: dict[str, torch.Tensor], path: Path, final: Path, source: str) -> None:
-    """safetensors' save_file; its refusals and I/O errors (multi-line, of its own types) become one line."""
+    """`save_tensors`, a full disk said with what is kept (its other failures already name the file)."""
     try:
-        save_file(tensors, str(path), metadata={"source": source})
-    except Exception as exc:
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if "os error 28" in text or "os error 122" in text:  # ENOSPC, EDQUOT
+        save_tensors(tensors, path, metadata={"source": source})
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(
                 f"{final}: no space left on device while writing the target's frozen parts; committed work "
                 "is intact, free space and re-run the same command to resume"
             ) from None
-        raise ShardError(f"{final}: cannot write the frozen target parts: {text}") from None
+        raise
 
 
 def stale_target_dirs(cache_dir: str | os.PathLike) -> list[Path]:

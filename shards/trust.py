@@ -11,6 +11,7 @@ import numpy as np
 from .codecs import DTYPES, codec_from_dict
 from .errors import LayoutMismatch, ShardError
 from .manifest import Manifest, ShardInfo
+from .paths import unit_of_shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,7 @@ def check_manifest_for_reading(m: Manifest, source: str) -> None:
         raise ShardError(f"{source}: a complete cache needs layers and hidden_size >= 1")
     seen: set[str] = set()
     for n in (s.name for s in m.shards):
-        if "/" in n or "\\" in n or not n.startswith("shard-") or not n.endswith(".dfs"):
+        if not isinstance(n, str) or unit_of_shard(n) is None:
             raise ShardError(f"{source}: shard name {n!r} is not of the form shard-NNNNNN.dfs")
         if n in seen:
             raise ShardError(f"{source}: shard {n} is listed twice")

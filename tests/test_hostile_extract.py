@@ -18,7 +18,7 @@ from common.extract import tiny_rows, write_dataset
 from common.hostile import one_error_line, tree_snapshot
 from common.targets import make_target
 from dflash.extract.cli import main as extract_main
-from dflash.shards import Cache, load_manifest, target_parts, verify_cache
+from dflash.shards import Cache, load_manifest, tensor_io, verify_cache
 from dflash.shards.outdir import claim_out_dir
 from dflash.tools.shards_cli import main as shards_main
 from safetensors import SafetensorError
@@ -184,7 +184,7 @@ def test_disk_full_writing_frozen_parts_is_one_line(tmp_path, capsys, dataset, q
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(target_parts, "save_file", full)
+    monkeypatch.setattr(tensor_io, "save_file", full)
     line = _refused(capsys, _argv(qwen3, dataset, tmp_path / "cache"))
     assert "frozen.safetensors: no space left on device" in line and "re-run the same command" in line
 

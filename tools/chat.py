@@ -126,6 +126,22 @@ def normalize_conversation(value: Any) -> list[Message]:
     return messages
 
 
+def cut_conversation(messages: list[Message], max_chars: int) -> tuple[list[Message], bool]:
+    """The messages whose contents fit in `max_chars` characters in total, the one reaching the limit cut
+    there, the rest dropped; and whether anything was cut. Tokenizing a conversation costs memory in
+    proportion to its length, and `--max-len` keeps only its first tokens anyway (see `chat_tokenize`)."""
+    kept: list[Message] = []
+    left = max_chars
+    for message in messages:
+        if len(message["content"]) > left:
+            if left > 0:
+                kept.append({"role": message["role"], "content": message["content"][:left]})
+            return kept, True
+        kept.append(message)
+        left -= len(message["content"])
+    return kept, False
+
+
 def assistant_char_spans(text: str, messages: Sequence[Message]) -> list[tuple[int, int]]:
     """[start, end) of each assistant content in the rendered `text`, one per assistant turn, in order.
 

@@ -14,11 +14,17 @@ import numpy as np
 from .chat import (
     Malformed,
     assistant_char_spans,
+    cut_conversation,
     keep_last_run,
     normalize_conversation,
     parse_json_row,
     spans_to_mask,
 )
+
+# Characters of content kept per --max-len token before tokenizing: tokens average ~4 characters in English
+# (fewer in code and CJK), so a conversation cut here still fills --max-len tokens, while one message of
+# millions of words costs no more memory than its first 8 x max_len characters.
+CHARS_PER_TOKEN_BOUND = 8
 
 
 class ConversationEncoder:
@@ -121,6 +127,19 @@ class ConversationEncoder:
                 out[i] = (np.asarray(ids, dtype=np.int32), spans_to_mask(np.asarray(offsets), spans))
         return out
 
+    def _cut(self, conv: list[dict[str, str]]) -> tuple[list[dict[str, str]] | Malformed, bool]:
+        """`conv` cut to what --max-len can keep (`CHARS_PER_TOKEN_BOUND`), before anything is tokenized."""
+        assert self.max_len is not None
+        kept, cut = cut_conversation(conv, self.max_len * CHARS_PER_TOKEN_BOUND)
+        if not cut:
+            return conv, False
+        last_assistant = max(i for i, m in enumerate(conv) if m["role"] == "assistant")
+        if len(kept) <= last_assistant and (
+            self.last_turn_only or not any(m["role"] == "assistant" for m in kept)
+        ):
+            return Malformed("no_supervised_after_truncation", "the supervised turn is past --max-len"), True
+        return kept, True
+
     def __call__(self, values: list[Any]) -> dict[str, list]:
         normalized: list[Any] = []
         for value in values:
@@ -128,6 +147,11 @@ class ConversationEncoder:
                 normalized.append(self._normalize(value))
             except Malformed as exc:
                 normalized.append(exc)
+        cut = [False] * len(normalized)
+        if self.max_len is not None:
+            for i, conv in enumerate(normalized):
+                if not isinstance(conv, Malformed):
+                    normalized[i], cut[i] = self._cut(conv)
         good = [i for i, n in enumerate(normalized) if not isinstance(n, Malformed)]
         convs = [normalized[i] for i in good]
         if convs:
@@ -139,8 +163,8 @@ class ConversationEncoder:
         cols: dict[str, list] = {
             k: [] for k in ("input_ids", "loss_mask", "seq_len", "supervised", "truncated", "skip_reason")
         }
-        for result in normalized:
-            reason, truncated = "", False
+        for result, was_cut in zip(normalized, cut, strict=True):
+            reason, truncated = "", was_cut
             if isinstance(result, Malformed):
                 reason, ids, mask = result.reason, np.zeros(0, np.int32), np.zeros(0, np.uint8)
             else:

@@ -23,6 +23,9 @@ from pathlib import Path
 
 from dflash.shards.atomic import commit_dir, temp_path
 from dflash.shards.cli import run_main
+from dflash.shards.errors import ShardError
+from dflash.shards.safe_io import read_json
+from dflash.shards.target_config import CONFIG_NAME, decoder_config
 
 from .chat import FORMATS, SKIP_REASONS, has_generation_markers
 from .chat_input import open_chat_source
@@ -31,6 +34,8 @@ from .chat_tokenize import ConversationEncoder
 log = logging.getLogger(__name__)
 
 SUMMARY_NAME = "tokenize_summary.json"
+DEFAULT_MAX_LEN = 32768  # --max-len when neither the tokenizer nor a config.json beside it gives a limit
+UNSET_TOKENIZER_LIMIT = 10**8  # transformers' model_max_length when the tokenizer declares none is ~1e30
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,7 +57,9 @@ class TokenizeConfig:
         if self.format not in ("auto", *FORMATS):
             raise ValueError(f"--format must be auto, messages or conversations, got {self.format!r}")
         if self.max_len is not None and self.max_len < 2:
-            raise ValueError(f"--max-len must be >= 2 tokens (or left out for no limit), got {self.max_len}")
+            raise ValueError(
+                f"--max-len must be >= 2 tokens (or left out for the tokenizer's limit), got {self.max_len}"
+            )
         if self.num_proc < 1:
             raise ValueError(f"--num-proc must be >= 1, got {self.num_proc}")
         if self.batch_size < 1:
@@ -77,6 +84,28 @@ def _output_features():
     )
 
 
+def default_max_len(tokenizer, tok_dir: Path) -> tuple[int, str]:
+    """(--max-len when none is given, where it comes from): the smaller of the model's
+    `max_position_embeddings` (a config.json beside the tokenizer) and the tokenizer's `model_max_length`,
+    else `DEFAULT_MAX_LEN`. Longer rows could not be extracted anyway: the target never saw those positions."""
+    limits: dict[str, int] = {}
+    tokenizer_limit = getattr(tokenizer, "model_max_length", None)
+    if type(tokenizer_limit) is int and 2 <= tokenizer_limit < UNSET_TOKENIZER_LIMIT:
+        limits["the tokenizer's model_max_length"] = tokenizer_limit
+    config = tok_dir / CONFIG_NAME
+    if config.is_file():
+        try:
+            positions = decoder_config(read_json(config, max_bytes=1 << 20)).get("max_position_embeddings")
+        except (ShardError, OSError, AttributeError):
+            positions = None
+        if type(positions) is int and positions >= 2:
+            limits[f"max_position_embeddings of {config}"] = positions
+    if not limits:
+        return DEFAULT_MAX_LEN, "the default"
+    source = min(limits, key=limits.__getitem__)
+    return limits[source], source
+
+
 def _prepare_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a directory")
@@ -89,7 +118,9 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
             raise ValueError(f"--out {out} does not look like a tokenized dataset; refusing to overwrite it")
 
 
-def _summarize(mapped, cfg: TokenizeConfig, source, mask_source: str, seconds: float) -> dict:
+def _summarize(
+    mapped, cfg: TokenizeConfig, source, mask_source: str, max_len_from: str, seconds: float
+) -> dict:
     import numpy as np
     import pyarrow.compute as pc
 
@@ -111,6 +142,7 @@ def _summarize(mapped, cfg: TokenizeConfig, source, mask_source: str, seconds: f
         "mask_source": mask_source,
         "last_turn_only": cfg.last_turn_only,
         "max_len": cfg.max_len,
+        "max_len_from": max_len_from,
         "rows_in": int(table.num_rows),
         "rows_out": len(seq_len),
         "skipped": {r: n for r, n in skipped.items() if n},
@@ -143,6 +175,10 @@ def tokenize_chats(cfg: TokenizeConfig) -> dict:
         raise ValueError(
             f"--tokenizer {tok_dir} has no chat template; use the chat (instruct) model's tokenizer"
         )
+    if cfg.max_len is None:  # rows past the model's positions could not be extracted: never keep them
+        cfg.max_len, max_len_from = default_max_len(tokenizer, tok_dir)
+    else:
+        max_len_from = "--max-len"
     use_markers = has_generation_markers(tokenizer.chat_template)
     if not use_markers and not getattr(tokenizer, "is_fast", False):
         raise ValueError(
@@ -181,7 +217,7 @@ def tokenize_chats(cfg: TokenizeConfig) -> dict:
             desc="tokenize" if cfg.num_proc > 1 else None,
         )
         mask_source = "generation_markers" if use_markers else "char_offsets"
-        summary = _summarize(mapped, cfg, source, mask_source, 0.0)
+        summary = _summarize(mapped, cfg, source, mask_source, max_len_from, 0.0)
         kept = mapped.filter(
             lambda reasons: [r == "" for r in reasons],
             batched=True,
@@ -237,7 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--format", default="auto", choices=("auto", *FORMATS), help="conversation column (default: detect)"
     )
     p.add_argument("--last-turn-only", action="store_true", help="supervise only the last assistant turn")
-    p.add_argument("--max-len", type=int, default=None, help="truncate conversations to this many tokens")
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="truncate conversations to this many tokens (default: the model's max_position_embeddings from "
+        "a config.json beside the tokenizer, else the tokenizer's model_max_length, else 32768)",
+    )
     p.add_argument("--num-proc", type=int, default=1, help="worker processes (default 1)")
     p.add_argument(
         "--batch-size", type=int, default=256, help="conversations per tokenizer call (default 256)"

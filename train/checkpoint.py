@@ -17,6 +17,7 @@ anything is loaded (`checkpoint_files.py`); optimizer and RNG states are flatten
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import shutil
@@ -27,9 +28,9 @@ from typing import Any
 import torch
 from dflash.shards import Manifest, diff_manifests
 from dflash.shards.atomic import commit_dir, fresh_temp_dir, restore_parked_dir
-from dflash.shards.errors import ManifestMismatch
+from dflash.shards.errors import DiskFull, ManifestMismatch, ShardError
 from dflash.shards.manifest import PROVENANCE_FIELDS, canonical_json
-from safetensors.torch import save_file
+from dflash.shards.tensor_io import save_tensors
 
 from .checkpoint_files import (
     STEP_DIR_RE,
@@ -87,19 +88,30 @@ def save_checkpoint(
     tmp = fresh_temp_dir(final)  # a link planted under the temp name is removed, never followed
     try:
         weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+        save_tensors(weights, tmp / "model.safetensors", metadata={"step": str(step)})
         _write_json(tmp / "meta.json", {**meta, "step": step, "weights_only": weights_only})
         if weights_only:
             commit_dir(tmp, final)
             return final
         opt_tensors, opt_structure = optimizer_to_flat(optimizer, param_names)
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        save_tensors(opt_tensors, tmp / "optimizer.safetensors")
         _write_json(tmp / "optimizer.json", opt_structure)
         rng_tensors, rng_scalars = rng_to_flat()
-        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        save_tensors(rng_tensors, tmp / "rng.safetensors")
         _write_json(tmp / "rng.json", rng_scalars)
         _write_json(tmp / "loader.json", loader_state)
         commit_dir(tmp, final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        run_dir = final.parent.parent if final.parent.name == CHECKPOINT_DIR else final.parent
+        kept = [p.name for _, p in list_checkpoints(run_dir) if p != final]
+        raise DiskFull(
+            f"{final}: no space left on device while writing this checkpoint; it was not written, and the "
+            f"checkpoints committed before are intact ({', '.join(kept[-3:]) or 'none yet'}): free space, "
+            "then continue with --resume"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -109,7 +121,39 @@ def save_checkpoint(
 def check_complete(ckpt: Path) -> None:
     missing = [name for name in _FILES if not (ckpt / name).is_file()]
     if missing:
-        raise ValueError(f"{ckpt} is not a complete checkpoint: missing {', '.join(missing)}")
+        raise CheckpointError(f"{ckpt} is not a complete checkpoint: missing {', '.join(missing)}")
+
+
+def checkpoint_damage(ckpt: Path) -> str | None:
+    """Why `ckpt` cannot be resumed from (a file missing, unreadable or holding what no run writes), or None:
+    every file read and checked as a resume would, without loading anything into a model."""
+    try:
+        check_complete(ckpt)
+        meta = read_meta(ckpt, require=("config", "total_steps", "cache_provenance"))
+        check_loader_state(
+            read_json(ckpt / "loader.json"), ckpt / "loader.json", meta["config"].get("epochs")
+        )
+        for name in ("optimizer.json", "rng.json"):
+            read_json(ckpt / name)
+        for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
+            read_tensors(ckpt / name)
+    except (CheckpointError, ShardError, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def older_intact_hint(run_dir: str | Path, damaged: Path) -> str:
+    """For a refusal of the damaged `damaged`: the newest intact checkpoint before it and how to resume."""
+    match = STEP_DIR_RE.match(damaged.name)
+    newest = int(match.group(1)) if match else -1
+    older = [path for step, path in reversed(list_checkpoints(run_dir)) if step < newest]
+    for path in older:
+        if checkpoint_damage(path) is None:
+            return (
+                f"; the newest intact checkpoint before it is {path.name}: continue from it with "
+                f"--resume-from {path}"
+            )
+    return "; no older checkpoint is intact: start a new --out" if older else "; it is the only checkpoint"
 
 
 def load_checkpoint(
@@ -169,6 +213,7 @@ RESUMABLE_KEYS = frozenset(
         "cache",
         "out",
         "resume",
+        "resume_from",
         "device",
         "attention",  # a kernel choice: both paths compute the same function
         "compile",  # likewise
@@ -286,6 +331,21 @@ def clean_interrupted_saves(run_dir: str | Path) -> list[str]:
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None
+
+
+def resume_point(run_dir: str | Path, resume_from: str | None) -> Path | None:
+    """The checkpoint a --resume continues from: `resume_from` (which must be one of `run_dir`'s committed
+    checkpoints: another run's would mix two runs in one directory), else the latest; None when none."""
+    if not resume_from:
+        return latest_checkpoint(run_dir)
+    wanted = Path(resume_from)
+    for _, path in list_checkpoints(run_dir):
+        if wanted.resolve() == path.resolve():
+            return path
+    raise ValueError(
+        f"--resume-from {resume_from} is not a checkpoint of {run_dir} (one of {run_dir}/{CHECKPOINT_DIR}/"
+        f"step_NNNNNN: {', '.join(p.name for _, p in list_checkpoints(run_dir)) or 'none yet'})"
+    )
 
 
 def find_checkpoint(run_dir: str | Path, *, step: int | None = None, best: bool = False) -> Path:

@@ -8,6 +8,7 @@ Launch on N GPUs with `torchrun --nproc-per-node N dflash-train ...`.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.shards.cli import run_main
+from dflash.shards.errors import DiskFull
 from dflash.shards.outdir import claim_out_dir
 
 from .config import (
@@ -44,6 +46,11 @@ def _train_parser() -> argparse.ArgumentParser:
     run.add_argument("--cache", help="cache directory written by dflash-extract")
     run.add_argument("--out", help="run directory: checkpoints/, metrics.jsonl, plots/, export/")
     run.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    run.add_argument(
+        "--resume-from",
+        metavar="CHECKPOINT",
+        help="continue from this checkpoint of --out (RUN/checkpoints/step_NNNNNN) instead of the latest",
+    )
     run.add_argument(
         "--dry-run",
         action="store_true",
@@ -198,7 +205,15 @@ def main_impl(argv: Sequence[str] | None) -> int:
         return 0
     from .trainer import train
 
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except OSError as exc:  # metrics, an export: what a checkpoint's own save says (`save_checkpoint`)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise DiskFull(
+            f"{exc.filename or cfg.out}: no space left on device; the checkpoints committed before are intact: "
+            "free space, then continue with --resume"
+        ) from None
     if result.last_checkpoint is not None:
         print(
             f"done: step {result.step}, checkpoint {result.last_checkpoint}"

@@ -153,6 +153,7 @@ class TrainConfig:
     cache: str
     out: str
     resume: bool = False
+    resume_from: str | None = None  # a checkpoint of `out` to continue from (implies resume)
     seed: int = 0
     device: str = "auto"
     attention: str = "auto"
@@ -173,6 +174,8 @@ class TrainConfig:
             raise ValueError("cache is empty: pass --cache CACHE_DIR (a directory written by dflash-extract)")
         if not self.out:
             raise ValueError("out is empty: pass --out RUN_DIR (where checkpoints and metrics go)")
+        if self.resume_from:
+            self.resume = True
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device={self.device!r}: choose one of {', '.join(DEVICE_CHOICES)}")
         if self.attention not in ATTENTION_CHOICES:

@@ -22,10 +22,11 @@ from dflash.shards import Cache
 from dflash.shards.outdir import check_out_dir
 from dflash.shards.sizes import size_text
 
+from .checkpoint import resume_point
 from .config import TrainConfig
 from .guards import check_frozen_finite
 from .model import DFlashDrafter
-from .run_parts import check_resume_rule, checked_parts
+from .run_parts import check_resume_rule, check_run_unlocked, checked_parts
 from .schedule import estimate_total_steps
 from .startup import StartupClock
 
@@ -49,6 +50,10 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
     out = Path(cfg.out)
     resuming = check_out_dir(out, "run")
     check_resume_rule(cfg)
+    if resuming:
+        check_run_unlocked(out)  # the run would be refused while another trainer writes it
+    if resuming and cfg.resume:
+        resume_point(out, cfg.resume_from)  # a --resume-from that is not one of the run's checkpoints
     with Cache.open(cfg.cache) as cache:
         frozen, drafter_cfg, spec = checked_parts(cfg, cache, StartupClock())
         check_frozen_finite(cache, frozen)

@@ -19,8 +19,8 @@ from dflash.shards.atomic import atomic_write, atomic_write_json
 from dflash.shards.errors import ShardError
 from dflash.shards.layers import resolve_layer_ids
 from dflash.shards.safe_io import read_json
+from dflash.shards.tensor_io import save_tensors
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .model import DFlashDrafter, DrafterConfig, rope_settings
 
@@ -89,7 +89,7 @@ def export_drafter(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / CONFIG_FILE, hf_config_dict(config, dtype))
-    atomic_write(out / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    atomic_write(out / WEIGHTS_FILE, lambda p: save_tensors(tensors, p, metadata={"format": "pt"}))
     source = (Path(__file__).with_name("hf_modeling.py")).read_text(encoding="utf-8")
     atomic_write(out / MODELING_FILE, lambda p: p.write_text(source, encoding="utf-8"))
     return out

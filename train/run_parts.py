@@ -1,7 +1,8 @@
 """Everything a run needs before its drafter exists, checked against each other (`Trainer.build`'s first half).
 
     open_run(cfg, clock) -> RunParts(info, cache, frozen, drafter_cfg, spec)
-        process group and device; the --out rule, interrupted saves cleaned, seeds; the cache; then
+        process group and device; the --out rule, rank 0's lock on RUN/.lock (a second trainer or a --resume
+        started meanwhile is refused, naming the holder), interrupted saves cleaned, seeds; the cache; then
         `checked_parts`; the frozen weights copied to the device as stored, NaN/inf-counted there
         (`guards.check_frozen_finite`), then cast there to the compute dtype.
     checked_parts(cfg, cache, clock) -> (frozen, drafter_cfg, spec)
@@ -25,7 +26,10 @@ import numpy as np
 import torch
 from dflash.shards import Cache, ShardError
 from dflash.shards.layers import resolve_layer_ids
+from dflash.shards.locks import FileLock, refuse_if_held, take_lock
 from dflash.shards.outdir import claim_out_dir
+from dflash.shards.paths import LOCK_NAME
+from dflash.shards.row_ledger import unaccounted_rows
 from dflash.shards.target_files import check_target_files
 
 from . import checkpoint as ckpt
@@ -48,6 +52,7 @@ class RunParts:
     frozen: FrozenTarget  # on info.device, in the compute dtype
     drafter_cfg: DrafterConfig
     spec: DataSpec
+    lock: FileLock | None  # rank 0's lock on the run directory, held until the run closes
 
 
 def seed_everything(seed: int) -> None:
@@ -74,23 +79,51 @@ def open_run(cfg: TrainConfig, clock: StartupClock) -> RunParts:
             "use --attention auto (the default) or dense"
         )
     run_dir = Path(cfg.out)
-    with clock.phase("run_dir"):
-        if info.is_main:
-            claim_out_dir(run_dir, "run")  # the --out rule, before anything is cleaned up or written
-            for action in ckpt.clean_interrupted_saves(run_dir):
-                log.warning("interrupted checkpoint write: %s", action)
-        barrier(info)
-        check_resume_rule(cfg)
-        seed_everything(cfg.seed)
-    with clock.phase("cache_open"):
-        cache = Cache.open(cfg.cache)
+    lock = None
+    try:
+        with clock.phase("run_dir"):
+            if info.is_main:
+                claim_out_dir(run_dir, "run")  # the --out rule, before anything is cleaned up or written
+                # Before the cleanup: another trainer's temp checkpoint is not an interrupted save. Rank 0
+                # speaks for its process group (the other ranks write nothing in the run directory).
+                lock = lock_run_dir(run_dir)
+                for action in ckpt.clean_interrupted_saves(run_dir):
+                    log.warning("interrupted checkpoint write: %s", action)
+            barrier(info)
+            check_resume_rule(cfg)
+            seed_everything(cfg.seed)
+        with clock.phase("cache_open"):
+            cache = Cache.open(cfg.cache)
+    except BaseException:
+        release_lock(lock)
+        raise
     try:
         frozen, drafter_cfg, spec = checked_parts(cfg, cache, clock)
         frozen = _frozen_on_device(frozen, cache, info.device, clock)
-        return RunParts(info, cache, frozen, drafter_cfg, spec)
+        return RunParts(info, cache, frozen, drafter_cfg, spec, lock)
     except BaseException:
         cache.close()
+        release_lock(lock)
         raise
+
+
+def lock_run_dir(run_dir: Path) -> FileLock:
+    """The run directory's writer lock (`RUN/.lock`, as a cache's), held by rank 0 until the run closes."""
+    return take_lock(run_dir / LOCK_NAME, _busy(run_dir), command="dflash-train")
+
+
+def check_run_unlocked(run_dir: Path) -> None:
+    """`lock_run_dir`'s refusal, for the dry run (which takes no lock)."""
+    refuse_if_held(run_dir / LOCK_NAME, _busy(run_dir))
+
+
+def _busy(run_dir: Path) -> str:
+    return f"{run_dir} is being written by another dflash-train"
+
+
+def release_lock(lock: FileLock | None) -> None:
+    if lock is not None:
+        lock.release()
 
 
 def checked_parts(
@@ -143,8 +176,17 @@ def check_distill(alpha: float, frozen: FrozenTarget, cached: Sequence[int]) -> 
 
 
 def check_shard_files(cache: Cache, on_corrupt: str) -> None:
-    """Every listed shard present at its recorded size, by stat alone: under --on-corrupt fail a missing or
-    truncated shard is refused now, not when the loader reaches it hours in; under skip it is named once."""
+    """Every listed shard present at its recorded size, by stat alone, and the manifest accounting for every
+    dataset row: under --on-corrupt fail a missing or truncated shard, or rows no entry lists, are refused now,
+    not found missing hours in (or never); under skip they are named once."""
+    gap = unaccounted_rows(cache.manifest, cache.path)
+    if gap is not None:
+        if on_corrupt == "fail":
+            raise ShardError(
+                f"{cache.path}: {gap}: a shard's entry removed from manifest.json? (`dflash-shards verify` "
+                "names the rows; pass --on-corrupt skip to train on the rows it lists)"
+            )
+        log.warning("%s: %s; training on the rows it lists (--on-corrupt skip)", cache.path, gap)
     problems = list(cache.shard_file_problems().values())
     if not problems:
         return

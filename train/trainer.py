@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash.shards import Cache
+from dflash.shards import Cache, ManifestMismatch, ShardError
 from dflash.shards.atomic import atomic_write_json
+from dflash.shards.locks import FileLock
 
 from . import checkpoint as ckpt
 from .checkpoint_files import LOADER_FIELDS, CheckpointError, check_loader_state, read_meta
@@ -49,7 +50,7 @@ from .parallelize import (
     shutdown,
     wrap_model,
 )
-from .run_parts import open_run
+from .run_parts import open_run, release_lock
 from .schedule import estimate_total_steps, lr_at
 from .slot_weights import ReachWeights
 from .startup import StartupClock, describe
@@ -94,6 +95,7 @@ class Trainer:
         self.cfg, self.info, self.cache, self.frozen = cfg, info, cache, frozen
         self.drafter_cfg, self.spec = drafter_cfg, spec
         self.run_dir = Path(cfg.out)
+        self.run_lock: FileLock | None = None  # RUN/.lock, held by rank 0 from `build` to `close`
         self.startup = startup or StartupClock()  # this launch's set-up, timed to the end of its first step
         device = info.device
         # Initialised where it trains (seconds, not minutes, for a 1B-parameter drafter on a GPU); fp32
@@ -139,10 +141,13 @@ class Trainer:
         clock = StartupClock()
         run = open_run(cfg, clock)
         try:
-            return cls(cfg, run.info, run.cache, run.frozen, run.drafter_cfg, run.spec, clock)
+            trainer = cls(cfg, run.info, run.cache, run.frozen, run.drafter_cfg, run.spec, clock)
         except BaseException:
             run.cache.close()
+            release_lock(run.lock)
             raise
+        trainer.run_lock = run.lock
+        return trainer
 
     @property
     def max_steps(self) -> int:
@@ -156,17 +161,22 @@ class Trainer:
     def resume(self) -> bool:
         """Continue from the run directory's latest checkpoint (with `--resume`), after checking that it was
         written with the same settings and against this very cache. False when there is none."""
-        found = ckpt.latest_checkpoint(self.run_dir) if self.cfg.resume else None
+        found = ckpt.resume_point(self.run_dir, self.cfg.resume_from) if self.cfg.resume else None
         if found is None:
             if self.cfg.resume:
                 log.warning("--resume: %s holds no checkpoint yet; starting from scratch", self.run_dir)
             return False
-        meta = read_meta(found, require=("config", "total_steps", "cache_provenance"))
-        ckpt.check_resume(meta, self.cfg.to_flat(), self.cache.manifest)
-        meta, loader_state = ckpt.load_checkpoint(  # every file checked: a damaged one is one line
-            found, model=self.model, optimizer=self.optimizer, param_names=self.param_names
-        )
-        check_loader_state(loader_state, found / "loader.json", require=LOADER_FIELDS)
+        try:  # every file checked: a damaged one is one line, naming the checkpoint to fall back on
+            meta = read_meta(found, require=("config", "total_steps", "cache_provenance"))
+            ckpt.check_resume(meta, self.cfg.to_flat(), self.cache.manifest)
+            meta, loader_state = ckpt.load_checkpoint(
+                found, model=self.model, optimizer=self.optimizer, param_names=self.param_names
+            )
+            check_loader_state(loader_state, found / "loader.json", require=LOADER_FIELDS)
+        except (CheckpointError, ShardError) as exc:
+            if isinstance(exc, ManifestMismatch):  # the cache changed: an older checkpoint would not help
+                raise
+            raise CheckpointError(f"{exc}{ckpt.older_intact_hint(self.run_dir, found)}") from None
         self.loader.load_state_dict(loader_state)
         self.step, self.total_steps, self.best_tau = meta["step"], meta["total_steps"], meta.get("best_tau")
         if self.reach is not None:
@@ -258,6 +268,8 @@ class Trainer:
 
     def close(self) -> None:
         self.cache.close()
+        release_lock(self.run_lock)
+        self.run_lock = None
         shutdown(self.info)
 
     # --- the loop -----------------------------------------------------------------------------------

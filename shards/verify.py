@@ -47,6 +47,8 @@ class VerifyReport:
     quick: bool = False
     bad_shards: dict[str, list[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    # With a dataset: its rows as stored / skipped / missing, and which fingerprint fields were compared.
+    dataset: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -71,6 +73,7 @@ class VerifyReport:
             "quick": self.quick,
             "bad_shards": self.bad_shards,
             "problems": self.problems,
+            "dataset": self.dataset,
         }
 
 
@@ -79,18 +82,21 @@ def _rows_text(rows: list[int]) -> str:
     return f"{len(rows)} rows ({shown}{', ...' if len(rows) > _SHOW else ''})"
 
 
+# The dataset fingerprint fields `verify --dataset` compares, and what each one stands for.
+_FINGERPRINT = {
+    "rows": ("row count", "row count differs"),
+    "lengths_sha256": ("row lengths", "row lengths differ"),
+    "tokens_xxh3": ("token ids and loss masks", "token ids or loss masks differ"),
+}
+
+
 def _dataset_differences(recorded: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
     """The fingerprint fields on which the given dataset is not the one the cache was extracted from (a field
     the manifest predates is not compared)."""
-    what = {
-        "rows": "row count differs",
-        "lengths_sha256": "row lengths differ",
-        "tokens_xxh3": "token ids or loss masks differ",
-    }
     return [
         f"the dataset's {text} from the dataset this cache was extracted from "
         f"(manifest dataset.{key} {recorded[key]!r}, the dataset's {given.get(key)!r})"
-        for key, text in what.items()
+        for key, (_, text) in _FINGERPRINT.items()
         if key in recorded and recorded[key] != given.get(key)
     ]
 
@@ -179,9 +185,13 @@ def verify_cache(
     records), its rows, lengths and tokens must be the ones the cache was extracted from."""
     m = cache.manifest
     report = VerifyReport(cache=str(cache.path), complete=m.complete, quick=quick)
+    compared: list[str] = []
+    differences: list[str] = []
     if dataset is not None:
         dataset_rows = int(dataset["rows"]) if dataset_rows is None else dataset_rows
-        report.problems.extend(_dataset_differences(m.dataset, dataset))
+        differences = _dataset_differences(m.dataset, dataset)
+        report.problems.extend(differences)
+        compared = [name for key, (name, _) in _FINGERPRINT.items() if key in m.dataset]
     report.problems.extend(_target_problems(cache))
     if not m.complete:
         report.problems.append(
@@ -243,4 +253,14 @@ def verify_cache(
         beyond = sorted(r for r in where if r >= dataset_rows)
         if beyond:
             report.problems.append(f"rows beyond the dataset's {dataset_rows} rows: {_rows_text(beyond)}")
+        report.dataset = {
+            "rows": dataset_rows,
+            "stored": sum(1 for r, names in where.items() if r < dataset_rows and len(names) == 1),
+            "skipped": sum(
+                1 for r in skipped if isinstance(r, int) and 0 <= r < dataset_rows and r not in where
+            ),
+            "missing": len(missing),
+            "fingerprint_checked": compared,
+            "fingerprint_matches": not differences,
+        }
     return report

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.shards.atomic import commit_dir, temp_path
-from dflash.shards.cli import run_main
+from dflash.shards.cli import DefaultsHelp, run_main
 
 from .chat import FORMATS, SKIP_REASONS, has_generation_markers
 from .chat_input import open_chat_source
@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dflash-tokenize",
         description="Tokenize chat data (JSONL/Parquet/save_to_disk, OpenAI messages or ShareGPT conversations) "
         "into input_ids + assistant loss_mask + seq_len for dflash-extract.",
+        formatter_class=DefaultsHelp,
     )
     p.add_argument(
         "--data",
@@ -237,7 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--format", default="auto", choices=("auto", *FORMATS), help="conversation column (default: detect)"
     )
     p.add_argument("--last-turn-only", action="store_true", help="supervise only the last assistant turn")
-    p.add_argument("--max-len", type=int, default=None, help="truncate conversations to this many tokens")
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="truncate conversations to this many tokens (default: no limit)",
+    )
     p.add_argument("--num-proc", type=int, default=1, help="worker processes (default 1)")
     p.add_argument(
         "--batch-size", type=int, default=256, help="conversations per tokenizer call (default 256)"
@@ -247,12 +253,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def config_from_args(argv: Sequence[str] | None) -> TokenizeConfig:
     args = build_parser().parse_args(argv)
-    cfg = TokenizeConfig(**{k.replace("-", "_"): v for k, v in vars(args).items()})
+    return TokenizeConfig(**{k.replace("-", "_"): v for k, v in vars(args).items()})
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    cfg = config_from_args(argv)
     import datasets
 
-    datasets.disable_progress_bars()
+    if not sys.stderr.isatty():  # datasets' bars on a terminal only: in a log they are carriage returns
+        datasets.disable_progress_bars()
     logging.getLogger("datasets").setLevel(logging.ERROR)
     summary = tokenize_chats(cfg)
     print(json.dumps(summary) if cfg.json else format_summary(summary))

@@ -72,8 +72,8 @@ def format_summary(r: ExtractResult) -> str:
     cache had nothing left to do."""
     if r.already_complete and not r.units_done:
         return (
-            f"cache {r.cache}: complete, nothing to do (all {r.units_committed} units were committed "
-            f"before); check it with `dflash-shards verify {r.cache}`"
+            f"cache {r.cache}: complete, nothing to do ({r.units_committed} of {r.units_total} units "
+            f"committed before); check it with `dflash-shards verify {r.cache}`"
         )
     forward = "GPU (forward)" if r.device.startswith("cuda") else f"forward ({r.device})"
     lines = [

@@ -64,7 +64,7 @@ class ProgressLine:
         self._stream = stream
         self._clock = clock
         self._start = self._last = clock()
-        self._postfix = ""
+        self._fields: dict[str, Any] = {}
         self._closed = False
         self._emitted = False
 
@@ -77,12 +77,13 @@ class ProgressLine:
         rate = (self.n - self._start_n) / elapsed
         if self.total:
             text = f"{self.desc} {self.n:,}/{self.total:,} {self.unit} ({100 * self.n / self.total:.0f}%)"
-            eta = format_eta((self.total - self.n) / rate) if rate > 0 else "?"
-            text += f", {rate:,.2f} {self.unit}/s, ETA {eta}"
+            text += f", {rate:,.2f} {self.unit}/s"
+            if "eta" not in self._fields:  # the caller's own estimate (training's excludes start-up) wins
+                text += f", ETA {format_eta((self.total - self.n) / rate) if rate > 0 else '?'}"
         else:
             text = f"{self.desc} {self.n:,} {self.unit}, {rate:,.2f} {self.unit}/s"
         text += f", {format_eta(elapsed)} elapsed"
-        return text + (f", {self._postfix}" if self._postfix else "")
+        return ", ".join([text, *(f"{k} {v}" for k, v in self._fields.items())])
 
     def _emit(self) -> None:
         out = self._out()
@@ -99,8 +100,7 @@ class ProgressLine:
     def set_postfix(
         self, ordered_dict: Mapping[str, Any] | None = None, refresh: bool = True, **kw: Any
     ) -> None:
-        fields = {**(ordered_dict or {}), **kw}
-        self._postfix = ", ".join(f"{k} {v}" for k, v in fields.items())
+        self._fields = {**(ordered_dict or {}), **kw}
 
     def write(self, s: str, file: IO[str] | None = None) -> None:
         out = file or self._out()

@@ -24,6 +24,7 @@ from .errors import CorruptFrame, ShardError
 from .layout import checksum
 from .manifest import ShardInfo
 from .paths import SHARDS_DIR
+from .progress import progress_bar
 from .reader import ShardReader
 from .target_config import CONFIG_NAME
 from .target_files import json_problems, target_file_problems
@@ -207,7 +208,9 @@ def verify_cache(
         if len(listed) != len(m.shards):
             report.problems.append(f"{cache.path}/manifest.json: a shard is listed more than once")
     where: dict[int, list[str]] = {}
+    progress = progress_bar("verify", len(cache.shard_names), "shard")  # minutes on a large cache
     for name in cache.shard_names:
+        progress.update(1)
         path = cache.path / SHARDS_DIR / name
         try:
             reader = cache.shard(name)
@@ -229,6 +232,7 @@ def verify_cache(
                     report.add(name, f"{path}: {key} is {got[key]!r} but the manifest says {want[key]!r}")
         for e in reader.entries:
             where.setdefault(e.row, []).append(name)
+    progress.close()
     if sum(len(v) for v in where.values()) != len(where):
         dups = sorted(r for r, names in where.items() if len(names) > 1)
         for r in dups[:_SHOW]:

@@ -68,6 +68,14 @@ def test_progress_line_prints_every_interval_with_rate_and_eta() -> None:
     )
     progress.close()
     assert len(out.getvalue().splitlines()) == 3
+    trainer = ProgressLine("train", 100, "step", every_s=1.0, stream=out, clock=clock)
+    trainer.set_postfix({"loss": "0.5", "eta": "0:40"})  # training's own estimate replaces the line's
+    clock.now += 2
+    trainer.update(10)
+    assert (
+        out.getvalue().splitlines()[-1]
+        == "train 10/100 step (10%), 5.00 step/s, 0:02 elapsed, loss 0.5, eta 0:40"
+    )
 
 
 def test_progress_line_is_silent_for_quick_work_and_goes_to_the_current_stderr(monkeypatch) -> None:
@@ -218,8 +226,8 @@ def test_a_complete_cache_rerun_says_nothing_to_do(extracted: dict, capsys) -> N
     out = capsys.readouterr().out
     assert again.already_complete and again.units_done == 0
     assert out.strip() == (
-        f"cache {again.cache}: complete, nothing to do (all {again.units_committed} units were committed "
-        f"before); check it with `dflash-shards verify {again.cache}`"
+        f"cache {again.cache}: complete, nothing to do ({again.units_total} of {again.units_total} units "
+        f"committed before); check it with `dflash-shards verify {again.cache}`"
     )
     assert "tokens/s" not in out and "stage" not in out
 

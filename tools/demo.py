@@ -12,8 +12,12 @@ Steps, each printed as one line with its wall and CPU seconds:
 
 Both evaluations use the trainer's own evaluation (held-out rows, fixed anchors, decode walk), so
 `tau_before` and `tau_after` compare the same blocks. Everything is seeded and runs on one CPU thread,
-so two runs print the same numbers. What the steps print themselves goes to `OUT/logs/STEP.log`.
-`OUT/summary.json` holds the taus, the paths and the timings.
+so two runs print the same numbers. What the steps print themselves (progress lines included) goes to
+`OUT/logs/STEP.log`; while a step runs, the console repeats its latest line every few seconds
+(`demo_steps.py`). The tokenize, extract and train steps are parsed from the CLI command lines
+`demo_commands.py` builds: the demo prints them, and `OUT/summary.json` holds them with the taus, the
+paths and the timings. The exported drafter's tau (bf16 weights) can differ from the best tau training
+logged (fp32 weights); the `after` line then prints both.
 """
 
 from __future__ import annotations

@@ -255,7 +255,11 @@ def test_the_dry_run_says_why_it_picked_its_layers(tmp_path: Path, capsys) -> No
     cache = write_fake_cache(tmp_path / "cache", num_samples=16, samples_per_shard=8)  # a 4-layer target
     argv = tiny_train_argv(cache, tmp_path / "run", "--num-draft-layers", "5", "--dry-run")
     assert train_main(argv) == 0
-    features = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("features"))
+    plan = capsys.readouterr().out.splitlines()
+    features = next(line for line in plan if line.startswith("features"))
+    # The recipe's numbers a user compares with another run's (the demo's): anchors, block, lr.
+    assert "block 4, 8 anchors," in next(line for line in plan if line.startswith("drafter"))
+    assert next(line for line in plan if line.startswith("schedule")).endswith(", lr 0.001")
     assert features == (
         "features    target layers [1, 1, 1, 1, 1]: the DFlash default rule for 5 draft layers on a 4-layer "
         "target (fewer than 5 + 3 layers: ids repeat); the cache also holds [0, 2, 3], unread: pass "

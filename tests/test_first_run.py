@@ -278,3 +278,18 @@ def test_the_tau_plot_draws_prompt_lookup() -> None:
     lines = tau_plot_series(history)
     assert lines["prompt lookup (decode walk)"] == ([0, 20], [1.3, 1.3])
     assert lines["tau (decode walk)"] == ([0, 20], [1.0, 2.9])
+
+
+def test_the_dry_runs_estimate_counts_float32_states(extracted: dict) -> None:
+    """The demo extracts in float32 on the CPU: the dry run estimated lossless from bf16 states (14.7 MiB
+    for a 34.7 MiB cache); it now plans in the dtype the run computes in."""
+    from dflash.extract.dryrun import dry_run_summary
+    from dflash.extract.prepare import prepare
+
+    config = extracted["config"]
+    summary = dry_run_summary(config, prepare(config))
+    first: ExtractResult = extracted["first"]
+    assert summary["dtype"] == "float32"
+    assert summary["bytes_estimate"]["raw"] >= first.raw_bytes  # tokens x layers x hidden x 4, plus frames
+    assert summary["bytes_estimate"]["lossless"] == pytest.approx(first.bytes_written, rel=0.05)
+    assert "float32 states uncompressed" in summary["codecs"]["raw"]["tau"]

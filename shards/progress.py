@@ -40,7 +40,7 @@ def format_eta(seconds: float) -> str:
 
 class ProgressLine:
     """Counts work done and prints `desc n/total unit (pct), rate unit/s, ETA t, postfix` at most every
-    `every_s` seconds of `clock` (a test passes a fake one), and once more on `close` if it printed at all.
+    `every_s` seconds of `clock` (a test passes a fake one), and once more on `close` if it printed before.
 
     The stream is looked up when a line is printed (default: the current `sys.stderr`), so output
     redirected after construction (the demo's per-step logs) still lands where it is sent."""
@@ -66,7 +66,7 @@ class ProgressLine:
         self._start = self._last = clock()
         self._fields: dict[str, Any] = {}
         self._closed = False
-        self._emitted = False
+        self._emitted_n: int | None = None  # the count the last line showed
 
     def _out(self) -> IO[str]:
         return self._stream if self._stream is not None else sys.stderr
@@ -90,7 +90,7 @@ class ProgressLine:
         out.write(self.line() + "\n")
         out.flush()
         self._last = self._clock()
-        self._emitted = True
+        self._emitted_n = self.n
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -108,10 +108,11 @@ class ProgressLine:
         out.flush()
 
     def close(self) -> None:
-        """A last line with the totals, when a line was printed before (quick work stays silent)."""
+        """A last line with the totals, when a line was printed before (quick work stays silent) and the
+        count moved since."""
         if not self._closed:
             self._closed = True
-            if self._emitted:
+            if self._emitted_n is not None and self._emitted_n != self.n:
                 self._emit()
 
 

@@ -60,14 +60,22 @@ def test_progress_line_prints_every_interval_with_rate_and_eta() -> None:
         out.getvalue().splitlines()[1]
         == "train 20/100 step (20%), 1.00 step/s, ETA 1:20, 0:20 elapsed, loss 0.52"
     )
-    clock.now += 3
+    clock.now += 1
+    progress.update(3)
     progress.close()  # the totals once more, at the end
     assert (
         out.getvalue().splitlines()[2]
-        == "train 20/100 step (20%), 0.87 step/s, ETA 1:32, 0:23 elapsed, loss 0.52"
+        == "train 23/100 step (23%), 1.10 step/s, ETA 1:10, 0:21 elapsed, loss 0.52"
     )
     progress.close()
     assert len(out.getvalue().splitlines()) == 3
+    done = ProgressLine("train", 10, "step", every_s=1.0, stream=out, clock=clock)
+    clock.now += 1
+    done.update(10)
+    done.close()  # the last line already showed the totals: not repeated
+    assert out.getvalue().splitlines()[3:] == [
+        "train 10/10 step (100%), 10.00 step/s, ETA 0:00, 0:01 elapsed"
+    ]
     trainer = ProgressLine("train", 100, "step", every_s=1.0, stream=out, clock=clock)
     trainer.set_postfix({"loss": "0.5", "eta": "0:40"})  # training's own estimate replaces the line's
     clock.now += 2

@@ -9,8 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-from dflash.shards.cache import Cache
-from dflash.shards.summary import cache_size
 from dflash.tools import demo
 from dflash.train.export import load_drafter
 from dflash.train.metrics import read_metrics
@@ -125,6 +123,8 @@ def test_the_printed_commands_build_the_demos_configs(quick_run) -> None:
     import shlex
 
     from dflash.extract.cli import config_from_args as extract_config
+    from dflash.shards.cache import Cache
+    from dflash.shards.summary import cache_size
     from dflash.tools.demo_eval import make_train_config
     from dflash.train.cli import build_config
 

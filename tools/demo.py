@@ -74,8 +74,9 @@ class DemoSize:
 
 
 DEMO_SIZES: dict[str, DemoSize] = {
-    # Measured on the shared 2-core box, one thread: ~105 s wall (~105 s CPU), of which ~80 s train and
-    # ~21 s target build; tau 1.00 -> 4.09 (sampled anchors), 1.00 -> 3.07 (decode walk).
+    # Measured on the shared 2-core box, one thread: 107 s wall (~110 s CPU), of which ~77 s train and
+    # ~21 s target build (203 s wall under load from other jobs); tau 1.00 -> 4.42 (sampled anchors),
+    # 1.00 -> 3.24 (decode walk) against prompt lookup's 1.32.
     "full": DemoSize(
         target_size="demo",
         num_prompts=1024,

@@ -19,6 +19,7 @@ from dflash.shards.cache import Cache
 from dflash.shards.progress import ProgressLine
 from dflash.shards.sizes import CacheSize
 from dflash.shards.summary import cache_info
+from dflash.tools import demo_steps
 from dflash.tools.demo_steps import Steps, last_log_line
 from dflash.tools.shards_cli import main as shards_main
 from dflash.tools.shards_text import info_text
@@ -115,6 +116,7 @@ def test_the_demo_heartbeat_repeats_a_steps_latest_progress(tmp_path: Path) -> N
     assert len(beats) >= 2, lines
     assert all(b.endswith(": train 3/10 step (30%), 1.00 step/s, ETA 0:07") for b in beats), beats
     assert lines[-1].startswith("[   train] 7 steps (")
+    assert demo_steps.HEARTBEAT_S < 10  # the demo's promise: a line at least every 10 s
     log = (tmp_path / "logs" / "train.log").read_text()
     assert log.splitlines() == ["train 3/10 step (30%), 1.00 step/s, ETA 0:07", "7 steps"]
     assert last_log_line(tmp_path / "logs" / "train.log") == "7 steps"
@@ -254,6 +256,29 @@ def test_verify_with_the_dataset_says_what_it_accounted_for(extracted: dict, cap
     assert shards_main(["verify", cache, "--dataset", str(extracted["dataset"]), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["dataset"]["stored"] == 21 and report["dataset"]["fingerprint_matches"] is True
+
+
+def test_verify_text_with_an_older_manifests_fingerprint(tmp_path: Path, capsys) -> None:
+    """A manifest that records only the dataset's row count: the line says what was compared."""
+    import pyarrow as pa
+
+    make_cache(tmp_path / "c", [4, 5, 6], rows_per_shard=2, skipped=((3, "empty"),))
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    table = pa.table(
+        {"input_ids": [[1] * n for n in (4, 5, 6, 0)], "loss_mask": [[1] * n for n in (4, 5, 6, 0)]}
+    )
+    with (
+        pa.OSFile(str(ds / "data-00000-of-00001.arrow"), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema) as w,
+    ):
+        w.write_table(table)
+    assert shards_main(["verify", str(tmp_path / "c"), "--dataset", str(ds)]) == 1  # 4 rows, manifest 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (
+        "dataset: 4 rows accounted for: 3 stored once, 1 listed as skipped, 0 missing; row count does NOT "
+        "match the manifest's"
+    )
 
 
 # --- training ----------------------------------------------------------------------------------------

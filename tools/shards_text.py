@@ -81,10 +81,14 @@ def verify_text(d: dict[str, Any], problems: list[str]) -> str:
             f"dataset: {ds['rows']:,} rows accounted for: {ds['stored']:,} stored once, {ds['skipped']:,} "
             f"listed as skipped, {ds['missing']:,} missing"
         )
-        if ds["fingerprint_checked"]:
-            line += f"; {', '.join(ds['fingerprint_checked'])} " + (
-                "match the manifest's" if ds["fingerprint_matches"] else "do NOT all match the manifest's"
-            )
+        checked = ds["fingerprint_checked"]
+        if checked:
+            one = len(checked) == 1
+            if ds["fingerprint_matches"]:
+                verdict = "matches" if one else "match"
+            else:
+                verdict = "does NOT match" if one else "do NOT all match"
+            line += f"; {', '.join(checked)} {verdict} the manifest's"
         else:
             line += "; the manifest records no fingerprint to compare rows, lengths and tokens with"
         lines.append(line)

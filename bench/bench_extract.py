@@ -18,7 +18,8 @@ the device, then the forward alone (no mask, hooks on, nothing kept), an untimed
 --workdir, then deleted; (4) bare again. The ratio uses the faster of the two bare runs, so a GPU that
 warmed up or slowed down during the run cannot flatter the pipeline. Reported: bare tokens/s, end-to-end
 tokens/s (first batch to last commit), their ratio (target >= 0.90), GPU wait fraction (CUDA events;
-target <= 5%), stored bytes/token, compression ratio vs raw bf16, CPU cores used (process CPU time / wall),
+target <= 5%), stored bytes/token, compression ratio vs the raw states in the stored dtype (bf16 on a GPU),
+CPU cores used (process CPU time / wall),
 and the writer: stored MB/s against the disk's sequential rate measured on --workdir in the same run
 (large writes of random bytes + fdatasync; where the disk is the limit the target is >= 0.90 of it) and
 the seconds the writer waited for the disk (every commit slot busy).

@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dflash.shards.cli import run_main
+from dflash.shards.cli import DefaultsHelp, run_main
 
 from .config import CODECS, DTYPES, NONFINITE_POLICIES, OVERLONG_POLICIES, ColumnNames, ExtractConfig, GiB
 
@@ -51,21 +51,11 @@ def _size(text: str) -> int:
         ) from None
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Show a default only where there is one worth showing (not None/False, not already in the text)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default in (None, False) or "default" in text:
-            return text
-        return super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
         description=__doc__.split("\n\n")[0],
-        formatter_class=_Help,
+        formatter_class=DefaultsHelp,
     )
     p.add_argument(
         "--target", required=True, help="HF model directory of the frozen target (config.json + weights)"
@@ -99,8 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--unit-size", type=_size, default=GiB, help="stored bytes per work unit / shard (e.g. 1GiB)"
     )
-    p.add_argument("--input-ids-column", default="input_ids")
-    p.add_argument("--loss-mask-column", default="loss_mask")
+    p.add_argument("--input-ids-column", default="input_ids", help="dataset column of token id lists")
+    p.add_argument(
+        "--loss-mask-column",
+        default="loss_mask",
+        help="dataset column of 0/1 lists marking the supervised (assistant) tokens",
+    )
     p.add_argument(
         "--seq-len-column", default="seq_len", help="used when present, else derived from the lists"
     )

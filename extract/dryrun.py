@@ -27,11 +27,21 @@ def free_space(out: Path | None) -> tuple[int, Path]:
     return shutil.disk_usage(probe).free, probe
 
 
+def planned_dtype(config: ExtractConfig) -> str:
+    """The dtype the run will compute in, as the pipeline resolves it ('auto': float32 on a CPU, else
+    bfloat16: the dry run does not look for a GPU)."""
+    if config.dtype != "auto":
+        return config.dtype
+    return "float32" if config.device == "cpu" else "bfloat16"
+
+
 def dry_run_summary(config: ExtractConfig, run: PreparedRun) -> dict:
     """The dry-run result as one JSON-able dict."""
     report = run.report
     stats = plan_stats(run.batches)
-    estimate = estimate_cache_bytes(report.tokens, len(report.rows), len(run.layers), run.target.hidden_size)
+    estimate = estimate_cache_bytes(
+        report.tokens, len(report.rows), len(run.layers), run.target.hidden_size, planned_dtype(config)
+    )
     free, probe = free_space(config.out)
     summary = report.summary()
     return {
@@ -54,8 +64,9 @@ def dry_run_summary(config: ExtractConfig, run: PreparedRun) -> dict:
             "files": len(run.dataset.files),
         },
         "codec": config.codec,
+        "dtype": planned_dtype(config),
         "bytes_estimate": estimate,
-        "codecs": codec_table(estimate),
+        "codecs": codec_table(estimate, planned_dtype(config)),
         "free_bytes": free,
         "free_path": str(probe),
         "fits": estimate[config.codec] <= free,

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,8 @@ from dflash.shards.locks import remove_stale_temp_files
 from dflash.shards.manifest import Manifest, ShardInfo, save_manifest
 from dflash.shards.outdir import claim_out_dir
 from dflash.shards.paths import MANIFEST_NAME, shard_name, shard_path
+from dflash.shards.progress import progress_bar
+from dflash.shards.sizes import raw_state_bytes
 from dflash.shards.threads import keep_own_threads, one_torch_thread
 from dflash.shards.writer import ShardMeta
 
@@ -135,9 +136,7 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
 
     progress = None
     if show_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=rows, unit="row", desc="extract", mininterval=1.0, file=sys.stderr)
+        progress = progress_bar("extract", rows, "row")
 
     def guarded(fn: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -149,8 +148,8 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
             errors.append(exc)
             stop.set()
 
-    element = torch.finfo(s.dtype).bits // 8
-    raw_per_token = len(s.layers) * s.run.target.hidden_size * element
+    # Raw bytes in the stored dtype (the manifest's), as every size of a cache counts them (sizes.CacheSize).
+    raw_per_token = raw_state_bytes(1, len(s.layers), s.run.target.hidden_size, s.manifest.dtype)
     unit_path = lambda u: shard_path(cfg.out, shard_name(u))  # noqa: E731
     keep_own_threads()  # the forward's CPU ops (a CPU target) keep every core
     pool = ThreadPoolExecutor(
@@ -309,7 +308,7 @@ def run_extraction(
     stats = StageStats()
     done: list[int] = []
     try:
-        complete = _open_cache(s, out, locks)
+        complete = already_complete = _open_cache(s, out, locks)
         while not complete:
             mine = assign_units(len(s.units), committed_units(out), rank.rank, rank.world_size)
             if mine:
@@ -355,6 +354,8 @@ def run_extraction(
         tokens=stats.tokens,
         bytes_written=stats.bytes_written,
         raw_bytes=stats.raw_bytes,
+        raw_dtype=s.manifest.dtype,
+        already_complete=already_complete,
         seconds=time.perf_counter() - t_start,
         extract_seconds=extract_s,
         cpu_seconds=cpu_s,

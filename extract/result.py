@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflash.shards.sizes import CacheSize
+
 
 @dataclass(kw_only=True, slots=True)
 class ExtractResult:
@@ -23,7 +25,9 @@ class ExtractResult:
     rows_nonfinite: int = 0  # of rows_skipped: NaN/inf hidden states (--on-nonfinite skip), this run
     tokens: int = 0
     bytes_written: int = 0
-    raw_bytes: int = 0
+    raw_bytes: int = 0  # the written states' raw bytes in the stored dtype (`raw_dtype`; sizes.CacheSize)
+    raw_dtype: str = "bfloat16"
+    already_complete: bool = False  # the cache was complete before this run: it had nothing to do
     seconds: float = 0.0  # the whole call: setup, extraction, finalization
     extract_seconds: float = 0.0  # the staged extraction only (first batch to last commit)
     cpu_seconds: float = 0.0  # process CPU time during the staged extraction
@@ -43,8 +47,13 @@ class ExtractResult:
         return self.bytes_written / self.tokens if self.tokens else 0.0
 
     @property
+    def size(self) -> CacheSize:
+        """What this run wrote, by the definition every dflash size uses."""
+        return CacheSize(stored_bytes=self.bytes_written, raw_bytes=self.raw_bytes, dtype=self.raw_dtype)
+
+    @property
     def ratio(self) -> float:
-        return self.raw_bytes / self.bytes_written if self.bytes_written else 0.0
+        return self.size.ratio or 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -59,16 +68,23 @@ class ExtractResult:
 
 
 def format_summary(r: ExtractResult) -> str:
-    """The closing table: totals, then each stage's busy and waiting seconds."""
+    """The closing table: totals, then each stage's busy and waiting seconds; one line when a complete
+    cache had nothing left to do."""
+    if r.already_complete and not r.units_done:
+        return (
+            f"cache {r.cache}: complete, nothing to do ({r.units_committed} of {r.units_total} units "
+            f"committed before); check it with `dflash-shards verify {r.cache}`"
+        )
+    forward = "GPU (forward)" if r.device.startswith("cuda") else f"forward ({r.device})"
     lines = [
         f"cache {r.cache}: {'complete' if r.complete else 'INCOMPLETE'}, units {r.units_committed}/{r.units_total} "
         f"committed ({r.units_done} by this process, rank {r.rank}/{r.world_size} on {r.device})",
         f"rows {r.rows:,}  tokens {r.tokens:,}  in {r.extract_seconds:,.1f} s = {r.tokens_per_s:,.0f} tokens/s "
         ""
         f"({r.seconds:,.1f} s with setup); "
-        f"{r.bytes_written / 1e6:,.1f} MB written, {r.bytes_per_token:,.0f} B/token, ratio {r.ratio:.2f}x; "
+        f"written {r.size.text()}, {r.bytes_per_token:,.0f} B/token; "
         f"CPU cores used {r.cpu_seconds / max(r.extract_seconds, 1e-9):.1f}",
-        f"GPU (forward) wait fraction {r.gpu_wait_fraction:.1%}  (compute {r.gpu_compute_s:,.1f} s)",
+        f"{forward} wait fraction {r.gpu_wait_fraction:.1%}  (compute {r.gpu_compute_s:,.1f} s)",
         *(
             [
                 f"skipped {r.rows_nonfinite:,} rows with NaN/inf hidden states (listed in the manifest's skipped rows)"

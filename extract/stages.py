@@ -345,7 +345,7 @@ def write_shards(
                 unit_skipped = []
             unit_skipped.extend(skipped)
             assert writer is not None
-            before = writer.bytes_written
+            before = 0 if item.first_in_unit else writer.bytes_written  # a shard's bytes include its header
             for f in futures:
                 with clock.timing("wait_in"):
                     sample = f.result()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import sys
 from collections.abc import Callable, Sequence
@@ -32,3 +33,14 @@ def run_main(
             where = f"{exc.filename}: " if exc.filename else ""
             print(f"{prog}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with every default: argparse's own, shown where there is one worth showing (not None or
+    False, and not already spelled out in the flag's text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if any(action.default is no for no in (None, False, argparse.SUPPRESS)) or "default" in text:
+            return text
+        return super()._get_help_string(action)

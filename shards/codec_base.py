@@ -17,6 +17,7 @@ import torch
 import zstandard
 
 from .errors import CorruptFrame
+from .sizes import ITEMSIZE
 
 if TYPE_CHECKING:
     from .fp8 import Fp8Block
@@ -26,7 +27,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
 }
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 _SCAN_CHUNK = 1 << 18  # elements per step of the CPU NaN/inf scans (verify, training's checks)
 
 # Activation byte planes are mostly literals (entropy-coded sign/exponent bytes) with few long matches:

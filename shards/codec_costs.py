@@ -99,11 +99,11 @@ CODEC_COSTS: dict[str, CodecCost] = {
 }
 
 
-def codec_table(estimate: dict[str, int]) -> dict[str, dict]:
-    """Per codec: estimated cache bytes, measured relative error and drafter tau cost (shards/codec_costs.py)."""
-    table = {
-        "raw": {"bytes": estimate["raw"], "rel_error": 0.0, "tau_delta": 0.0, "tau": "exact (not a codec)"}
-    }
+def codec_table(estimate: dict[str, int], raw_dtype: str = "bfloat16") -> dict[str, dict]:
+    """Per codec: estimated cache bytes, measured relative error and drafter tau cost (shards/codec_costs.py);
+    `raw` is the states uncompressed in `raw_dtype`."""
+    raw_text = f"exact (not a codec): the {raw_dtype} states uncompressed"
+    table = {"raw": {"bytes": estimate["raw"], "rel_error": 0.0, "tau_delta": 0.0, "tau": raw_text}}
     for name, cost in CODEC_COSTS.items():
         table[name] = {
             "bytes": estimate[name],

@@ -24,6 +24,7 @@ for the quantizing codecs, like the extractor). Resumable and checked like an ex
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -46,7 +47,9 @@ from .locks import remove_stale_temp_files, take_lock
 from .manifest import Manifest, ShardInfo, load_manifest, refuse_other_settings, save_manifest
 from .outdir import claim_out_dir
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
+from .progress import Progress, progress_bar
 from .reader import ShardReader
+from .sizes import CacheSize, cache_size
 from .target_files import check_target_files, digest_files, target_file_problems
 from .target_parts import check_target_parts, target_dir
 from .threads import torch_threads
@@ -102,10 +105,14 @@ class ConvertResult:
     bytes_in: int
     bytes_out: int
     seconds: float
+    size_in: CacheSize  # the source cache and the new one, by the one definition (`sizes.cache_size`)
+    size_out: CacheSize
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__slots__}
+        d = {k: getattr(self, k) for k in self.__slots__ if k not in ("size_in", "size_out")}
         d["out"] = str(self.out)
+        for key in ("size_in", "size_out"):
+            d[key] = getattr(self, key).to_dict()
         d["gb_per_s"] = self.raw_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
         return d
 
@@ -204,7 +211,13 @@ def _encode_group(
 
 
 def _convert_shard(
-    reader: ShardReader, path: Path, codec: Codec, pool: ThreadPoolExecutor, window: int, device: torch.device
+    reader: ShardReader,
+    path: Path,
+    codec: Codec,
+    pool: ThreadPoolExecutor,
+    window: int,
+    device: torch.device,
+    progress: Progress,
 ) -> tuple[ShardWriter, int]:
     """Stream one shard's sample groups through the pool (at most `window` in flight), in order, into a
     writer."""
@@ -224,6 +237,7 @@ def _convert_shard(
         for sample, n in pending.popleft().result():
             writer.append(sample)
             raw += n
+            progress.update(1)
 
     try:
         for indexes in sample_groups([e.length for e in reader.entries], reader.hidden_size):
@@ -268,21 +282,24 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
             _copy_target(config.source, config.out, expected.target_files)
             threads = config.threads or max(1, os.cpu_count() or 1)
             converted, raw = 0, 0
+            progress = progress_bar("convert", sum(i.rows for i in source.shard_infos), "row")
             # The encode threads are the parallelism: torch's intra-op threads on top of them oversubscribe
             # the cores (q4 on 2 cores: 0.06 GB/s with torch's default against 0.13 with one thread).
             with (
                 torch_threads(1),
                 ThreadPoolExecutor(threads, thread_name_prefix="dflash-convert") as pool,
                 Committer() as committer,
+                contextlib.closing(progress),
             ):
                 for info in source.shard_infos:
                     path = shard_dir / info.name
                     if path.exists():
                         if _committed_info(path, info) is not None:
+                            progress.update(info.rows)
                             continue
                         path.unlink()  # unreadable or not the source's rows: redone
                     writer, n = _convert_shard(
-                        source.shard(info.name), path, codec, pool, 2 * threads, device
+                        source.shard(info.name), path, codec, pool, 2 * threads, device, progress
                     )
                     committer.submit(writer)
                     converted, raw = converted + 1, raw + n
@@ -300,7 +317,13 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
         bytes_in=sum(i.bytes for i in source.shard_infos),
         bytes_out=sum(i.bytes for i in infos),
         seconds=time.perf_counter() - t0,
+        size_in=_size(source.manifest, source.shard_infos),
+        size_out=_size(expected, infos),
     )
+
+
+def _size(m: Manifest, infos: list[ShardInfo]) -> CacheSize:
+    return cache_size(infos, len(m.layers), m.hidden_size, m.dtype)
 
 
 def _finalize(out: Path, expected: Manifest, source_infos: list[ShardInfo]) -> list[ShardInfo]:

@@ -84,6 +84,29 @@ def resolve_layer_ids(
     return resolved
 
 
+def layer_ids_reason(
+    num_target_layers: int, num_draft_layers: int, explicit: bool, cached: Sequence[int] | None = None
+) -> str:
+    """Why a drafter reads the layers `resolve_layer_ids` gave it, in words for a plan: given, or the
+    default rule (with what it does on a shallow target and the cached layers it leaves unread)."""
+    if explicit:
+        return "as given (--target-layer-ids)"
+    ids = default_layer_ids(num_target_layers, num_draft_layers)
+    text = (
+        f"the DFlash default rule for {num_draft_layers} draft layers on a {num_target_layers}-layer target"
+    )
+    if len(set(ids)) < len(ids):
+        text += f" (fewer than {num_draft_layers} + 3 layers: ids repeat)"
+    unread = sorted(set(cached or ()) - set(ids))
+    if unread:
+        every = ",".join(map(str, cached or ()))
+        text += (
+            f"; the cache also holds {unread}, unread: pass --target-layer-ids {every} to feed every cached "
+            "layer"
+        )
+    return text
+
+
 def check_cached(
     ids: Sequence[int], cached: Sequence[int], *, what: str = "target_layer_ids", note: str = ""
 ) -> None:

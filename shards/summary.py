@@ -7,19 +7,20 @@ from typing import Any
 
 import torch
 
+from . import sizes
 from .cache import Cache
-
-_BF16_BYTES = 2
+from .sizes import CacheSize
 
 
 def cache_info(cache: Cache) -> dict[str, Any]:
-    """Size and provenance: samples, tokens, stored bytes, raw bf16 bytes and the ratio between them."""
+    """Size and provenance: samples, tokens, stored bytes against the states' raw bytes in the stored dtype
+    (`sizes.CacheSize`) and the ratio between them."""
     m = cache.manifest
     infos = cache.shard_infos
     samples = sum(s.rows for s in infos)
     tokens = sum(s.tokens for s in infos)
-    stored = sum(s.bytes for s in infos)
-    raw = tokens * len(m.layers) * m.hidden_size * _BF16_BYTES
+    size = cache_size(cache)
+    stored, raw = size.stored_bytes, size.raw_bytes
     return {
         "path": str(cache.path),
         "complete": m.complete,
@@ -28,7 +29,8 @@ def cache_info(cache: Cache) -> dict[str, Any]:
         "supervised": sum(s.supervised for s in infos),
         "bytes": stored,
         "raw_bytes": raw,
-        "ratio": raw / stored if stored else None,
+        "raw_dtype": size.dtype,
+        "ratio": size.ratio,
         "bytes_per_token": stored / tokens if tokens else None,
         "shards": len(infos),
         "layers": list(m.layers),
@@ -40,6 +42,12 @@ def cache_info(cache: Cache) -> dict[str, Any]:
         "skipped": len(m.skipped),
         "tool_version": m.tool_version,
     }
+
+
+def cache_size(cache: Cache) -> CacheSize:
+    """The cache's stored bytes (every listed shard file) against its states' raw bytes."""
+    m = cache.manifest
+    return sizes.cache_size(cache.shard_infos, len(m.layers), m.hidden_size, m.dtype)
 
 
 def shard_list(cache: Cache) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ from .errors import CorruptFrame, ShardError
 from .layout import checksum
 from .manifest import ShardInfo
 from .paths import SHARDS_DIR
+from .progress import progress_bar
 from .reader import ShardReader
 from .target_config import CONFIG_NAME
 from .target_files import json_problems, target_file_problems
@@ -47,6 +48,8 @@ class VerifyReport:
     quick: bool = False
     bad_shards: dict[str, list[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    # With a dataset: its rows as stored / skipped / missing, and which fingerprint fields were compared.
+    dataset: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -71,6 +74,7 @@ class VerifyReport:
             "quick": self.quick,
             "bad_shards": self.bad_shards,
             "problems": self.problems,
+            "dataset": self.dataset,
         }
 
 
@@ -79,18 +83,21 @@ def _rows_text(rows: list[int]) -> str:
     return f"{len(rows)} rows ({shown}{', ...' if len(rows) > _SHOW else ''})"
 
 
+# The dataset fingerprint fields `verify --dataset` compares, and what each one stands for.
+_FINGERPRINT = {
+    "rows": ("row count", "row count differs"),
+    "lengths_sha256": ("row lengths", "row lengths differ"),
+    "tokens_xxh3": ("token ids and loss masks", "token ids or loss masks differ"),
+}
+
+
 def _dataset_differences(recorded: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
     """The fingerprint fields on which the given dataset is not the one the cache was extracted from (a field
     the manifest predates is not compared)."""
-    what = {
-        "rows": "row count differs",
-        "lengths_sha256": "row lengths differ",
-        "tokens_xxh3": "token ids or loss masks differ",
-    }
     return [
         f"the dataset's {text} from the dataset this cache was extracted from "
         f"(manifest dataset.{key} {recorded[key]!r}, the dataset's {given.get(key)!r})"
-        for key, text in what.items()
+        for key, (_, text) in _FINGERPRINT.items()
         if key in recorded and recorded[key] != given.get(key)
     ]
 
@@ -179,9 +186,13 @@ def verify_cache(
     records), its rows, lengths and tokens must be the ones the cache was extracted from."""
     m = cache.manifest
     report = VerifyReport(cache=str(cache.path), complete=m.complete, quick=quick)
+    compared: list[str] = []
+    differences: list[str] = []
     if dataset is not None:
         dataset_rows = int(dataset["rows"]) if dataset_rows is None else dataset_rows
-        report.problems.extend(_dataset_differences(m.dataset, dataset))
+        differences = _dataset_differences(m.dataset, dataset)
+        report.problems.extend(differences)
+        compared = [name for key, (name, _) in _FINGERPRINT.items() if key in m.dataset]
     report.problems.extend(_target_problems(cache))
     if not m.complete:
         report.problems.append(
@@ -197,7 +208,9 @@ def verify_cache(
         if len(listed) != len(m.shards):
             report.problems.append(f"{cache.path}/manifest.json: a shard is listed more than once")
     where: dict[int, list[str]] = {}
+    progress = progress_bar("verify", len(cache.shard_names), "shard")  # minutes on a large cache
     for name in cache.shard_names:
+        progress.update(1)
         path = cache.path / SHARDS_DIR / name
         try:
             reader = cache.shard(name)
@@ -219,6 +232,7 @@ def verify_cache(
                     report.add(name, f"{path}: {key} is {got[key]!r} but the manifest says {want[key]!r}")
         for e in reader.entries:
             where.setdefault(e.row, []).append(name)
+    progress.close()
     if sum(len(v) for v in where.values()) != len(where):
         dups = sorted(r for r, names in where.items() if len(names) > 1)
         for r in dups[:_SHOW]:
@@ -243,4 +257,14 @@ def verify_cache(
         beyond = sorted(r for r in where if r >= dataset_rows)
         if beyond:
             report.problems.append(f"rows beyond the dataset's {dataset_rows} rows: {_rows_text(beyond)}")
+        report.dataset = {
+            "rows": dataset_rows,
+            "stored": sum(1 for r, names in where.items() if r < dataset_rows and len(names) == 1),
+            "skipped": sum(
+                1 for r in skipped if isinstance(r, int) and 0 <= r < dataset_rows and r not in where
+            ),
+            "missing": len(missing),
+            "fingerprint_checked": compared,
+            "fingerprint_matches": not differences,
+        }
     return report

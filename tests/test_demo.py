@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 from pathlib import Path
 
@@ -17,8 +19,15 @@ PATH_KEYS = ("target", "dataset", "cache", "run", "export", "chats", "plots")
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("demo") / "out"
-    assert demo.main(["--out", str(out), "--quick"]) == 0
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        assert demo.main(["--out", str(out), "--quick"]) == 0
+    (out.parent / "console.txt").write_text(console.getvalue())
     return out, json.loads((out / demo.SUMMARY_NAME).read_text())
+
+
+def _console(out: Path) -> str:
+    return (out.parent / "console.txt").read_text()
 
 
 def test_quick_demo_summary_paths_and_export(quick_run) -> None:
@@ -92,3 +101,72 @@ def test_bad_settings_are_one_line_errors(tmp_path) -> None:
         dataclasses.replace(quick, eval_fraction=0.0)
     with pytest.raises(ValueError, match="train_steps"):
         dataclasses.replace(quick, train_steps=0)
+
+
+def test_every_step_logs_its_output(quick_run) -> None:
+    """Issue 31: train.log and target.log stayed empty; each log now holds the step's own output and ends
+    with the line the console showed."""
+    out, summary = quick_run
+    console = _console(out)
+    for step in summary["timings"]:
+        log = (out / "logs" / f"{step}.log").read_text()
+        assert log.strip(), step
+        last = log.strip().splitlines()[-1]
+        assert f"[{step:>8}] {last} (" in console, step
+    train_log = (out / "logs" / "train.log").read_text()
+    assert train_log.startswith("dflash-train: ")  # the trainer's own plan line, as the CLI prints it
+
+
+def test_the_printed_commands_build_the_demos_configs(quick_run) -> None:
+    """The commands in summary.json (and on the console) are the ones the demo ran: parsing them with
+    the CLIs' own parsers gives the configs the steps used."""
+    import shlex
+
+    from dflash.extract.cli import config_from_args as extract_config
+    from dflash.shards.cache import Cache
+    from dflash.shards.summary import cache_size
+    from dflash.tools.demo_eval import make_train_config
+    from dflash.train.cli import build_config
+
+    out, summary = quick_run
+    commands = summary["commands"]
+    assert set(commands) == {"tokenize", "extract", "train"}
+    argvs = {}
+    for name, line in commands.items():
+        words = shlex.split(line)
+        assert words[:2] == ["OMP_NUM_THREADS=1", f"dflash-{name}"] and line in _console(out)
+        argvs[name] = words[2:]
+    spec = demo.DEMO_SIZES["quick"]
+    cfg = build_config(argvs["train"])
+    assert cfg == make_train_config(Path(summary["cache"]), Path(summary["run"]), spec, seed=0)
+    assert (cfg.drafter.num_draft_layers, cfg.drafter.block_size) == (spec.num_draft_layers, spec.block_size)
+    assert (cfg.optim.lr, cfg.optim.max_steps) == (spec.lr, spec.train_steps)
+    with Cache.open(summary["cache"]) as cache:
+        assert list(cfg.drafter.target_layer_ids) == list(cache.layers)
+        size = cache_size(cache)
+    extract = extract_config(argvs["extract"])
+    assert (extract.layers, extract.codec, extract.dtype) == ("all", "lossless", "float32")
+    # The demo's size figure is the cache's, by the definition `dflash-shards info` uses.
+    assert f"lossless: {size.text()} -> " in _console(out)
+    assert summary["extract"]["raw_dtype"] == "float32" and summary["extract"]["ratio"] == size.ratio
+
+
+def test_the_best_and_exported_taus_are_explained(quick_run) -> None:
+    """Training's best tau is the best step's fp32 weights; the export holds them in bf16. Evaluated in fp32,
+    the export's step gives training's number exactly; the console says why the two differ."""
+    import torch
+    from dflash.tools.demo_eval import evaluate_drafter, make_train_config
+    from dflash.train import checkpoint as ckpt
+    from dflash.train.model import DFlashDrafter
+
+    out, summary = quick_run
+    cfg = make_train_config(Path(summary["cache"]), out / "unused", demo.DEMO_SIZES["quick"], seed=0)
+    exported = load_drafter(summary["export"], dtype=torch.float32)
+    fp32 = DFlashDrafter(exported.config)
+    ckpt.load_weights(fp32, ckpt.find_checkpoint(summary["run"], best=True) / "model.safetensors")
+    assert evaluate_drafter(fp32, cfg)["tau"] == summary["tau_best_in_training"]
+    after = next(line for line in _console(out).splitlines() if line.startswith("[   after]"))
+    if summary["tau_after"] != summary["tau_best_in_training"]:
+        assert f"training measured {summary['tau_best_in_training']:.3f}" in after and "bf16" in after
+    else:
+        assert "training measured" not in after

@@ -12,26 +12,31 @@ Steps, each printed as one line with its wall and CPU seconds:
 
 Both evaluations use the trainer's own evaluation (held-out rows, fixed anchors, decode walk), so
 `tau_before` and `tau_after` compare the same blocks. Everything is seeded and runs on one CPU thread,
-so two runs print the same numbers. What the steps print themselves goes to `OUT/logs/STEP.log`.
-`OUT/summary.json` holds the taus, the paths and the timings.
+so two runs print the same numbers. What the steps print themselves (progress lines included) goes to
+`OUT/logs/STEP.log`; while a step runs, the console repeats its latest line every few seconds
+(`demo_steps.py`). The tokenize, extract and train steps are parsed from the CLI command lines
+`demo_commands.py` builds: the demo prints them, and `OUT/summary.json` holds them with the taus, the
+paths and the timings. The exported drafter's tau (bf16 weights) can differ from the best tau training
+logged (fp32 weights); the `after` line then prints both.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.shards.cli import run_main
+from dflash.shards.cli import DefaultsHelp, run_main
 from dflash.shards.outdir import claim_out_dir
 from dflash.shards.threads import torch_threads
+
+from .demo_steps import Steps
 
 PROG = "dflash-demo"
 MARKER = ".dflash-demo"  # written first: --overwrite only ever deletes a directory that holds it
@@ -69,8 +74,9 @@ class DemoSize:
 
 
 DEMO_SIZES: dict[str, DemoSize] = {
-    # Measured on the shared 2-core box, one thread: ~105 s wall (~105 s CPU), of which ~80 s train and
-    # ~21 s target build; tau 1.00 -> 4.09 (sampled anchors), 1.00 -> 3.07 (decode walk).
+    # Measured on the shared 2-core box, one thread: 107 s wall (~110 s CPU), of which ~77 s train and
+    # ~21 s target build (203 s wall under load from other jobs); tau 1.00 -> 4.42 (sampled anchors),
+    # 1.00 -> 3.24 (decode walk) against prompt lookup's 1.32.
     "full": DemoSize(
         target_size="demo",
         num_prompts=1024,
@@ -140,42 +146,6 @@ class DemoConfig:
                 )
 
 
-class _Steps:
-    """Runs the named steps: times them, sends their own output to a log file, prints one line each."""
-
-    def __init__(self, out: Path, verbose: bool) -> None:
-        self.logs = out / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.verbose = verbose
-        self.timings: dict[str, dict[str, float]] = {}
-
-    def run(self, name: str, fn: Callable[[], Any], describe: Callable[[Any], str]) -> Any:
-        wall, cpu = time.perf_counter(), time.process_time()
-        try:
-            with self._captured(name):
-                value = fn()
-        except BaseException:
-            if not self.verbose:
-                print(f"[{name:>8}] failed; its output is in {self.logs / (name + '.log')}", file=sys.stderr)
-            raise
-        seconds, cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
-        self.timings[name] = {"seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2)}
-        print(f"[{name:>8}] {describe(value)} ({seconds:.1f} s, CPU {cpu_seconds:.1f} s)", flush=True)
-        return value
-
-    @contextlib.contextmanager
-    def _captured(self, name: str) -> Iterator[None]:
-        if self.verbose:
-            yield
-            return
-        with (
-            open(self.logs / f"{name}.log", "w", encoding="utf-8") as log,
-            contextlib.redirect_stdout(log),
-            contextlib.redirect_stderr(log),
-        ):
-            yield
-
-
 def _prepare_out(cfg: DemoConfig) -> Path:
     out = Path(cfg.out).resolve()
     if out.is_dir() and any(out.iterdir()):  # DemoConfig checked --overwrite and the marker
@@ -191,11 +161,24 @@ def _fmt_tau(result: dict[str, Any]) -> str:
     return text + (f"; prompt lookup walks {lookup:.2f} on the same rows" if lookup else "")
 
 
+def _export_note(exported: float, best: float | None) -> str:
+    """Why the exported drafter's tau is not the best tau training logged, when they differ: the export
+    holds the best step's weights in bf16 (what servers load), training evaluated them in fp32."""
+    if best is None or best == exported:
+        return ""
+    return (
+        f" (bf16 weights, as served: tau {exported:.3f}; training measured {best:.3f} on the same rows "
+        "with the same step's fp32 weights)"
+    )
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run every step into `cfg.out`; returns the summary (also written to `OUT/summary.json`)."""
+    from dflash.train.cli import build_config
     from dflash.train.metrics import METRICS_FILE
 
-    from .demo_eval import evaluate_drafter, make_train_config, untrained_drafter
+    from .demo_commands import command_line, extract_argv, tokenize_argv, train_argv
+    from .demo_eval import cached_layers, evaluate_drafter, untrained_drafter
 
     spec = cfg.spec
     start_wall, start_cpu = time.perf_counter(), time.process_time()
@@ -209,15 +192,20 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     }
     paths["export"] = paths["run"] / "export"
     paths["plots"] = paths["run"] / "plots"
-    steps = _Steps(out, cfg.verbose)
+    steps = Steps(out, cfg.verbose)
+    argvs = {  # each step's command line; the steps' configs are parsed from them (demo_commands)
+        "tokenize": tokenize_argv(paths["chats"], paths["target"], paths["dataset"]),
+        "extract": extract_argv(paths["target"], paths["dataset"], paths["cache"], spec),
+    }
     print(f"{PROG}: tiny pipeline into {out} (size {cfg.size if isinstance(cfg.size, str) else 'custom'})")
     with torch_threads(cfg.threads):
-        from dflash.extract.config import ExtractConfig
+        from dflash.extract.cli import config_from_args
         from dflash.extract.pipeline import run_extraction
         from dflash.train.trainer import train
 
         from . import tiny
-        from .tokenize import TokenizeConfig, tokenize_chats
+        from .tokenize import config_from_args as tokenize_config
+        from .tokenize import tokenize_chats
 
         info = steps.run(
             "target",
@@ -237,11 +225,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         steps.run("data", answer, lambda n: f"the target answered {n} prompts greedily -> {paths['chats']}")
         tokenized = steps.run(
             "tokenize",
-            lambda: tokenize_chats(
-                TokenizeConfig(
-                    data=str(paths["chats"]), tokenizer=str(paths["target"]), out=str(paths["dataset"])
-                )
-            ),
+            lambda: tokenize_chats(tokenize_config(argvs["tokenize"])),
             lambda s: (
                 f"{s['rows_out']} rows, {s['tokens']} tokens ({s['supervised_tokens']} supervised) "
                 f"-> {paths['dataset']}"
@@ -249,24 +233,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         )
         extracted = steps.run(
             "extract",
-            lambda: run_extraction(
-                ExtractConfig(
-                    target=paths["target"],
-                    dataset=paths["dataset"],
-                    out=paths["cache"],
-                    layers="all",
-                    codec="lossless",
-                    dtype="float32",
-                    device="cpu",
-                    max_len=spec.max_length,
-                )
-            ),
+            lambda: run_extraction(config_from_args(argvs["extract"])),
             lambda r: (
-                f"{r.rows} rows, {r.tokens} tokens, every layer, "
-                f"{r.bytes_written / 2**20:.1f} MiB lossless -> {paths['cache']}"
+                f"{r.rows} rows, {r.tokens} tokens, every layer, lossless: {r.size.text()} -> {paths['cache']}"
             ),
         )
-        train_cfg = make_train_config(paths["cache"], paths["run"], spec, seed=cfg.seed)
+        argvs["train"] = train_argv(
+            paths["cache"], paths["run"], spec, seed=cfg.seed, layers=cached_layers(paths["cache"])
+        )
+        train_cfg = build_config(argvs["train"])
         before = steps.run(
             "before",
             lambda: evaluate_drafter(untrained_drafter(train_cfg), train_cfg),
@@ -286,7 +261,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         after = steps.run(
             "after",
             lambda: evaluate_drafter(paths["export"], train_cfg),
-            lambda r: f"exported drafter: {_fmt_tau(r)}",
+            lambda r: f"exported drafter: {_fmt_tau(r)}{_export_note(r['tau'], trained.best_tau)}",
         )
     plots = sorted(str(p) for p in paths["plots"].glob("*.png"))
     summary = {
@@ -302,6 +277,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "tokenize": tokenized,
         "extract": extracted.to_dict(),
         "train_steps": trained.step,
+        # RUN/export holds the best step's weights in bf16 (what servers load): its tau can differ from the
+        # one training measured on the fp32 weights by bf16's rounding.
+        "tau_best_in_training": trained.best_tau,
+        "commands": {name: command_line(f"dflash-{name}", argv, cfg.threads) for name, argv in argvs.items()},
         "size": asdict(spec),
         "seed": cfg.seed,
         "timings": steps.timings,
@@ -325,6 +304,9 @@ def _print_closing(s: dict[str, Any]) -> None:
     )
     print(f"plots:    {', '.join(s['plot_files']) or '(none)'}")
     print(f"drafter:  {s['export']}")
+    print("the same steps from the command line (the demo runs them in-process; use a new --out):")
+    for line in s["commands"].values():
+        print(f"  {line}")
     print(
         f"summary:  {Path(s['run']).parent / SUMMARY_NAME}  ({s['seconds']:.0f} s, CPU {s['cpu_seconds']:.0f} s)"
     )
@@ -344,11 +326,12 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Build a tiny target, regenerate data with it, tokenize, extract, train, evaluate and "
         "export a DFlash drafter: the whole pipeline on a CPU in a few minutes, nothing downloaded.",
+        formatter_class=DefaultsHelp,
     )
     p.add_argument("--out", default="dflash_demo", help="output directory (default: ./dflash_demo)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier demo's --out directory")
     p.add_argument("--quick", action="store_true", help="a reduced demo (smaller target, fewer steps)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the target, the prompts and the drafter")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--verbose", action="store_true", help="show the steps' own output (else OUT/logs/)")
     return p

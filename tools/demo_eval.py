@@ -19,41 +19,15 @@ if TYPE_CHECKING:
 
 
 def make_train_config(cache: Path, run: Path, spec: DemoSize, *, seed: int) -> TrainConfig:
-    """The `TrainConfig` of the demo: every cached layer feeds the drafter, one loader thread, no TensorBoard."""
-    from dflash.train.config import config_from_flat
+    """The `TrainConfig` of the demo: what `dflash-train` builds from `demo_commands.train_argv`."""
+    from dflash.train.cli import build_config
 
-    return config_from_flat(
-        {
-            "cache": str(cache),
-            "out": str(run),
-            "seed": seed,
-            "device": "cpu",
-            "num_draft_layers": spec.num_draft_layers,
-            "target_layer_ids": _cached_layers(cache),
-            "block_size": spec.block_size,
-            "num_anchors": spec.num_anchors,
-            "token_budget": spec.token_budget,
-            "max_length": spec.max_length,
-            "loader_threads": 1,
-            "prefetch_batches": 2,
-            "shuffle_window": 256,
-            "eval_fraction": spec.eval_fraction,
-            "eval_samples": spec.eval_samples,
-            "epochs": 10**6,  # the step budget ends the run, whatever the data size
-            "max_steps": spec.train_steps,
-            "lr": spec.lr,
-            "warmup_frac": 0.05,
-            "eval_every": spec.eval_every,
-            "save_every": 0,  # the final checkpoint only
-            "log_every": 10,
-            "keep_checkpoints": 1,
-            "tensorboard": False,
-            "progress": False,
-        }
-    )
+    from .demo_commands import train_argv
+
+    return build_config(train_argv(cache, run, spec, seed=seed, layers=cached_layers(cache)))
 
 
-def _cached_layers(cache: Path) -> list[int]:
+def cached_layers(cache: Path) -> list[int]:
     from dflash.shards import Cache
 
     with Cache.open(cache) as opened:

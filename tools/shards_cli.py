@@ -22,11 +22,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from dflash.shards.cache import Cache
-from dflash.shards.cli import run_main
+from dflash.shards.cli import DefaultsHelp, run_main
 from dflash.shards.codecs import codec_names
 from dflash.shards.convert import ConvertConfig, convert_cache
+from dflash.shards.sizes import size_text
 from dflash.shards.summary import cache_info, cache_stats, sample_report, shard_list
 from dflash.shards.verify import verify_cache
+
+from .shards_text import info_text, verify_text
 
 PROG = "dflash-shards"
 
@@ -38,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_)
+        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=DefaultsHelp)
         sp.add_argument("cache", help="cache directory (holds manifest.json)")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
         return sp
@@ -49,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("row", type=int, help="dataset row id")
     stats = add("stats", "per-layer activation statistics and a length histogram")
     stats.add_argument("--sample", type=int, default=64, help="rows to decode (default 64)")
-    stats.add_argument("--seed", type=int, default=0)
+    stats.add_argument("--seed", type=int, default=0, help="seeds which rows are sampled")
     verify = add("verify", "decode every frame, check index/manifest and row coverage")
     verify.add_argument("--dataset", help="tokenized dataset: every row must be stored once or skipped")
     verify.add_argument(
@@ -68,16 +71,6 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="dflash-extract --dry-run with these arguments", add_help=False)
     plan.add_argument("args", nargs=argparse.REMAINDER)
     return p
-
-
-def _size(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    raise AssertionError
 
 
 def _dataset_identity(path: str) -> tuple[int, dict[str, Any] | None]:
@@ -100,36 +93,19 @@ def _fields(d: dict[str, Any]) -> str:
     return "  ".join(f"{k} {v:.5g}" if isinstance(v, float) else f"{k} {v}" for k, v in d.items())
 
 
-def _print_info(d: dict[str, Any]) -> None:
-    ratio = f"{d['ratio']:.3f}x" if d["ratio"] else "-"
-    per_tok = f"{d['bytes_per_token']:.0f} B" if d["bytes_per_token"] else "-"
-    t = d["target"]
-    lines = [
-        f"cache       {d['path']} ({'complete' if d['complete'] else 'INCOMPLETE'})",
-        f"samples     {d['samples']:,} ({d['skipped']:,} skipped) in {d['shards']:,} shards",
-        f"tokens      {d['tokens']:,} ({d['supervised']:,} supervised)",
-        f"stored      {_size(d['bytes'])}, raw bf16 {_size(d['raw_bytes'])}, ratio {ratio}, {per_tok}/token",
-        f"layers      {d['layers']} x hidden {d['hidden_size']} ({d['dtype']})",
-        f"codec       {json.dumps(d['codec'])}",
-        f"target      {t.get('name_or_path')} ({t.get('model_type')}, {t.get('num_hidden_layers')} layers)",
-        f"dataset     {json.dumps(d['dataset'])}",
-    ]
-    print("\n".join(lines))
-
-
 def _convert(args: argparse.Namespace) -> int:
     config = ConvertConfig(
         source=args.cache, out=args.out, codec=args.codec, threads=args.threads, device=args.device
     )
-    d = convert_cache(config).to_dict()
+    result = convert_cache(config)
     if args.json:
-        print(json.dumps(d, indent=1))
+        print(json.dumps(result.to_dict(), indent=1))
         return 0
-    ratio = d["bytes_in"] / d["bytes_out"] if d["bytes_out"] else 0.0
+    fewer = result.bytes_in / result.bytes_out if result.bytes_out else 0.0
     print(
-        f"converted {d['converted']} of {d['shards']} shards ({d['rows']:,} rows) to {d['codec']} in "
-        f"{d['seconds']:.1f} s: {_size(d['bytes_in'])} -> {_size(d['bytes_out'])} ({ratio:.2f}x smaller); "
-        f"check it with `{PROG} verify {d['out']}`"
+        f"converted {result.converted} of {result.shards} shards ({result.rows:,} rows) to {result.codec} in "
+        f"{result.seconds:.1f} s: {result.size_in.text()} -> {result.size_out.text()} ({fewer:.2f}x fewer "
+        f"stored bytes than the source); check it with `{PROG} verify {result.out}`"
     )
     return 0
 
@@ -152,14 +128,17 @@ def _main(argv: Sequence[str] | None) -> int:
     with Cache.open(args.cache, require_complete=False, unique_rows=False) as cache:
         if args.command == "info":
             out: Any = cache_info(cache)
-            text = _print_info
+
+            def text(d: dict) -> None:
+                print(info_text(d))
+
         elif args.command == "ls":
             out = {"shards": shard_list(cache)}
 
             def text(d: dict) -> None:
                 print(f"{'shard':<20}{'rows':>10}{'tokens':>14}{'bytes':>14}")
                 for s in d["shards"]:
-                    print(f"{s['name']:<20}{s['rows']:>10,}{s['tokens']:>14,}{_size(s['bytes']):>14}")
+                    print(f"{s['name']:<20}{s['rows']:>10,}{s['tokens']:>14,}{size_text(s['bytes']):>14}")
         elif args.command == "show":
             out = sample_report(cache, args.row)
 
@@ -183,14 +162,7 @@ def _main(argv: Sequence[str] | None) -> int:
             out = report.to_dict()
 
             def text(d: dict) -> None:
-                head = "OK" if d["ok"] else "FAILED"
-                print(
-                    f"{head}: {d['shards_checked']} shards, {d['samples_checked']} samples, "
-                    f"{d['frames_checked']} frames, {_size(d['bytes_checked'])} checked"
-                    + (" (hashes only)" if d["quick"] else f", {_size(d['decoded_bytes'])} decoded")
-                )
-                for line in report.lines():
-                    print(f"  {line}")
+                print(verify_text(d, report.lines()))
 
         if args.json:
             print(json.dumps(out, indent=1))

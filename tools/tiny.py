@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dflash.shards.progress import ProgressLine
+
 from . import tiny_corpus
 from .tiny_corpus import Conversation
 from .tiny_train import reproducible_torch, train_on_chats
@@ -304,6 +306,7 @@ def generate_completions(
     model.eval()
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     out: list[Conversation] = []
+    progress = ProgressLine("generate", len(prompts), "prompt")
     for begin in range(0, len(prompts), batch_size):
         chunk = [list(p) for p in prompts[begin : begin + batch_size]]
         enc = tokenizer.apply_chat_template(
@@ -329,6 +332,8 @@ def generate_completions(
                 row = row[: row.index(eos_id)]
             text = tokenizer.decode(row, skip_special_tokens=True)
             out.append([*prompt, {"role": "assistant", "content": text}])
+        progress.update(len(chunk))
+    progress.close()
     return out
 
 

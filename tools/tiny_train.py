@@ -10,6 +10,8 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from dflash.shards.progress import ProgressLine
+
 if TYPE_CHECKING:
     from .tiny import TinySize
 
@@ -56,6 +58,7 @@ def train_on_chats(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     first = smoothed = float("nan")
+    progress = ProgressLine("target LM", size.train_steps, "step")  # minutes on a loaded 2-core box
     model.train()
     for step in range(size.train_steps):
         if not pending:
@@ -70,6 +73,9 @@ def train_on_chats(
         value = loss.item()
         first = value if step == 0 else first
         smoothed = value if step == 0 else 0.9 * smoothed + 0.1 * value
+        progress.set_postfix(loss=f"{smoothed:.3f}")
+        progress.update(1)
+    progress.close()
     model.eval()
     return first, smoothed
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.shards.atomic import commit_dir, temp_path
-from dflash.shards.cli import run_main
+from dflash.shards.cli import DefaultsHelp, run_main
 from dflash.shards.errors import ShardError
 from dflash.shards.safe_io import read_json
 from dflash.shards.target_config import CONFIG_NAME, decoder_config
@@ -259,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dflash-tokenize",
         description="Tokenize chat data (JSONL/Parquet/save_to_disk, OpenAI messages or ShareGPT conversations) "
         "into input_ids + assistant loss_mask + seq_len for dflash-extract.",
+        formatter_class=DefaultsHelp,
     )
     p.add_argument(
         "--data",
@@ -289,12 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def config_from_args(argv: Sequence[str] | None) -> TokenizeConfig:
     args = build_parser().parse_args(argv)
-    cfg = TokenizeConfig(**{k.replace("-", "_"): v for k, v in vars(args).items()})
+    return TokenizeConfig(**{k.replace("-", "_"): v for k, v in vars(args).items()})
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    cfg = config_from_args(argv)
     import datasets
 
-    datasets.disable_progress_bars()
+    if not sys.stderr.isatty():  # datasets' bars on a terminal only: in a log they are carriage returns
+        datasets.disable_progress_bars()
     logging.getLogger("datasets").setLevel(logging.ERROR)
     summary = tokenize_chats(cfg)
     print(json.dumps(summary) if cfg.json else format_summary(summary))

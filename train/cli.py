@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash.shards.cli import run_main
+from dflash.shards.cli import DefaultsHelp, run_main
 from dflash.shards.errors import DiskFull
 from dflash.shards.outdir import claim_out_dir
 
@@ -26,6 +26,7 @@ from .config import (
     SLOT_WEIGHT_CHOICES,
     config_from_flat,
     load_config_file,
+    paper_recipe,
     tiny_debug,
 )
 
@@ -37,6 +38,7 @@ def _train_parser() -> argparse.ArgumentParser:
         prog=PROG,
         argument_default=argparse.SUPPRESS,
         description="Train a DFlash drafter from a dflash-extract cache (export a run: dflash-train export -h).",
+        formatter_class=DefaultsHelp,
     )
     p.add_argument("--config", help="JSON/TOML file of flag names -> values (flags given here override it)")
     p.add_argument(
@@ -57,8 +59,8 @@ def _train_parser() -> argparse.ArgumentParser:
         help="run every start-up check (no GPU needed, nothing written) and print the plan: drafter size, "
         "steps (world size from WORLD_SIZE), checkpoint disk against free space",
     )
-    run.add_argument("--seed", type=int)
-    run.add_argument("--device", choices=DEVICE_CHOICES)
+    run.add_argument("--seed", type=int, help="seeds the drafter's init, the shuffle and the anchors")
+    run.add_argument("--device", choices=DEVICE_CHOICES, help="auto: CUDA when there is one, else CPU")
     run.add_argument(
         "--attention",
         choices=ATTENTION_CHOICES,
@@ -78,9 +80,16 @@ def _train_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--keep-checkpoints", type=int, help="keep the N newest step checkpoints (best/ is separate)"
     )
-    run.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
-    run.add_argument("--no-plots", dest="plots", action="store_false")
-    run.add_argument("--no-progress", dest="progress", action="store_false")
+    run.add_argument(
+        "--no-tensorboard", dest="tensorboard", action="store_false", help="no RUN/tensorboard/ events"
+    )
+    run.add_argument("--no-plots", dest="plots", action="store_false", help="no RUN/plots/*.png")
+    run.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (on a terminal) or progress line every few seconds (in a log)",
+    )
     data = p.add_argument_group("data")
     data.add_argument("--token-budget", type=int, help="context tokens per micro-batch (samples are packed)")
     data.add_argument("--max-length", type=int, help="truncate samples to this many tokens")
@@ -94,11 +103,11 @@ def _train_parser() -> argparse.ArgumentParser:
     data.add_argument("--eval-rows", help="file of row ids to hold out (JSON list or one per line)")
     data.add_argument("--eval-samples", type=int, help="held-out samples used per evaluation")
     model = p.add_argument_group("drafter")
-    model.add_argument("--num-draft-layers", type=int)
+    model.add_argument("--num-draft-layers", type=int, help="drafter decoder layers")
     model.add_argument(
         "--target-layer-ids", help="comma-separated target layer ids (default: the DFlash rule)"
     )
-    model.add_argument("--block-size", type=int)
+    model.add_argument("--block-size", type=int, help="B: the anchor plus B - 1 drafted tokens")
     model.add_argument("--num-anchors", type=int, help="anchors sampled per sequence")
     model.add_argument(
         "--gamma",
@@ -115,25 +124,53 @@ def _train_parser() -> argparse.ArgumentParser:
         "--distill",
         type=float,
         help="share of the target's next-token distribution in each label, from its cached last layer "
-        "(0: hard labels; needs the last layer among --target-layer-ids)",
+        "(0: hard labels; needs the target's last layer in the cache)",
     )
     opt = p.add_argument_group("optimizer")
-    opt.add_argument("--lr", type=float)
-    opt.add_argument("--min-lr-frac", type=float)
-    opt.add_argument("--weight-decay", type=float)
-    opt.add_argument("--warmup-frac", type=float)
-    opt.add_argument("--grad-clip", type=float)
-    opt.add_argument("--grad-accum", type=int)
-    opt.add_argument("--epochs", type=int)
+    opt.add_argument("--lr", type=float, help="AdamW peak learning rate")
+    opt.add_argument("--min-lr-frac", type=float, help="the cosine ends at lr x this")
+    opt.add_argument("--weight-decay", type=float, help="AdamW weight decay")
+    opt.add_argument("--warmup-frac", type=float, help="linear warmup over this fraction of the steps")
+    opt.add_argument("--grad-clip", type=float, help="clip the gradient norm to this (0: off)")
+    opt.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
+    opt.add_argument("--epochs", type=int, help="passes over the training rows")
     opt.add_argument(
         "--max-steps", type=int, help="stop after N optimizer steps (also sets the schedule length)"
     )
+    _show_preset_defaults(p)
     return p
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _show_preset_defaults(p: argparse.ArgumentParser) -> None:
+    """Every flag's help ends with its default: the paper preset's value (and tiny's where it differs).
+    The parser itself has no defaults (SUPPRESS): a flag left out must not override --config."""
+    paper = paper_recipe("CACHE", "OUT").to_flat()
+    tiny = tiny_debug("CACHE", "OUT").to_flat()
+    for action in p._actions:
+        key = action.dest
+        if key not in paper or key in ("cache", "out", "resume") or "default" in (action.help or ""):
+            continue
+        text = f"default: {_shown(paper[key])}"
+        if tiny[key] != paper[key]:
+            text += f"; --preset tiny: {_shown(tiny[key])}"
+        action.help = f"{action.help} ({text})" if action.help else f"({text})"
 
 
 def _export_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=f"{PROG} export", description="Export a run's checkpoint as an HF drafter dir."
+        prog=f"{PROG} export",
+        description="Export a run's checkpoint as an HF drafter dir.",
+        formatter_class=DefaultsHelp,
     )
     p.add_argument("run_dir", help="a dflash-train --out directory")
     p.add_argument(

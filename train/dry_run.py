@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from dflash.shards import Cache
+from dflash.shards.layers import layer_ids_reason
 from dflash.shards.outdir import check_out_dir
 from dflash.shards.sizes import size_text
 
@@ -71,8 +72,16 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
             "tokens": manifest.tokens,
             "skipped": dict(Counter(str(s.get("reason", "?")) for s in manifest.skipped)),
             "target_layers": list(drafter_cfg.target_layer_ids),
+            "target_layers_why": layer_ids_reason(
+                frozen.num_layers,
+                cfg.drafter.num_draft_layers,
+                cfg.drafter.target_layer_ids is not None,
+                cached=cache.layers,
+            ),
             "draft_layers": drafter_cfg.num_hidden_layers,
             "block_size": drafter_cfg.block_size,
+            "num_anchors": cfg.drafter.num_anchors,
+            "lr": cfg.optim.lr,
             "mask_token_id": drafter_cfg.mask_token_id,
             "hidden_size": drafter_cfg.hidden_size,
             "params": params,
@@ -95,7 +104,7 @@ def print_plan(plan: dict[str, Any]) -> None:
     fits = plan["checkpoints_disk_bytes"] <= plan["free_bytes"]
     steps = f"~{plan['total_steps']:,} optimizer steps ({plan['epochs']} epochs"
     steps += f", capped by --max-steps {plan['max_steps']}" if plan["max_steps"] else ""
-    steps += f", world {plan['world_size']}), warmup {plan['warmup_steps']:,}"
+    steps += f", world {plan['world_size']}), warmup {plan['warmup_steps']:,}, lr {plan['lr']:g}"
     held = f"{plan['heldout_fraction']:.1%} of the rows"
     held += f" and {plan['heldout_rows']:,} rows from --eval-rows" if plan["heldout_rows"] else ""
     lines = [
@@ -110,9 +119,10 @@ def print_plan(plan: dict[str, Any]) -> None:
         (
             "drafter",
             f"{plan['draft_layers']} layers, hidden {plan['hidden_size']}, block {plan['block_size']}, "
+            f"{plan['num_anchors']} anchors, "
             f"{plan['params'] / 1e6:.1f}M trained parameters, mask token {plan['mask_token_id']}",
         ),
-        ("features", f"target layers {plan['target_layers']}"),
+        ("features", f"target layers {plan['target_layers']}: {plan['target_layers_why']}"),
         ("schedule", steps),
         ("held out", f"{held}, never trained on"),
         (

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -19,6 +18,7 @@ from typing import Any
 
 from dflash.shards.atomic import atomic_write, atomic_write_bytes
 from dflash.shards.errors import ShardError
+from dflash.shards.progress import format_eta, progress_bar
 from dflash.shards.safe_io import load_json
 
 log = logging.getLogger(__name__)
@@ -52,14 +52,6 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
             dropped[0],
         )
     return records
-
-
-def format_eta(seconds: float) -> str:
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    seconds = int(seconds)
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
 @dataclass(slots=True)
@@ -127,17 +119,8 @@ class MetricsLogger:
             self._tb = SummaryWriter(
                 str(self.run_dir / TB_DIR), purge_step=start_step + 1 if start_step else None
             )
-        if progress:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(
-                total=total_steps,
-                initial=start_step,
-                unit="step",
-                dynamic_ncols=True,
-                file=sys.stderr,
-                disable=None,
-            )
+        if progress:  # a bar on a terminal, a line every few seconds in a log file
+            self._bar = progress_bar("train", total_steps, "step", initial=start_step)
 
     def _rewrite(self, records: list[dict[str, Any]]) -> None:
         atomic_write_bytes(
@@ -222,6 +205,25 @@ class MetricsLogger:
             self._bar = None
 
 
+# The lines of tau.png: the drafter's two taus, and prompt lookup walked over the same rows (the baseline a
+# drafter must beat; README "Drafter quality").
+TAU_LINES = {
+    "tau": "tau (sampled anchors)",
+    "tau_walk": "tau (decode walk)",
+    "tau_walk_lookup": "prompt lookup (decode walk)",
+}
+
+
+def tau_plot_series(history: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """label -> (steps, values) of each `TAU_LINES` metric the history holds."""
+    lines = {}
+    for key, label in TAU_LINES.items():
+        pairs = [(r["step"], r[key]) for r in history if isinstance(r.get(key), (int, float))]
+        if pairs:
+            lines[label] = ([p[0] for p in pairs], [p[1] for p in pairs])
+    return lines
+
+
 def write_plots(history: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     """Loss and tau over steps, and the latest per-position acceptance, as PNGs (written atomically)."""
     import matplotlib
@@ -255,10 +257,9 @@ def write_plots(history: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     save(fig, "loss.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("tau", "tau (sampled anchors)"), ("tau_walk", "tau (decode walk)")):
-        xs, ys = series(key)
-        if xs:
-            ax.plot(xs, ys, label=label, marker=".")
+    for label, (xs, ys) in tau_plot_series(history).items():
+        dashed = label.startswith("prompt lookup")
+        ax.plot(xs, ys, label=label, marker=None if dashed else ".", linestyle="--" if dashed else "-")
     ax.set_xlabel("step")
     ax.set_ylabel("acceptance length tau")
     ax.grid(alpha=0.3)

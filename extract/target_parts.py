@@ -27,7 +27,11 @@ EMBED_NAMES = (
     "language_model.model.embed_tokens.weight",
 )
 LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
-FINAL_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight")
+FINAL_NORM_NAMES = (
+    "model.norm.weight",
+    "model.language_model.norm.weight",
+    "language_model.model.norm.weight",
+)
 # Model types whose RMSNorm multiplies by (1 + weight) (weights stored centred at zero), the others by weight.
 ZERO_CENTRED_NORMS = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 KNOWN_NORMS = ZERO_CENTRED_NORMS | {"qwen2", "qwen3", "qwen3_moe"}

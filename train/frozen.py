@@ -69,7 +69,9 @@ class FrozenTarget:
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's final RMSNorm in fp32, as its own forward computes it before the lm_head."""
         if self.final_norm_gain is None:
-            raise ValueError("this cache's target/ holds no final norm gain (written by an older dflash-extract)")
+            raise ValueError(
+                "this cache's target/ holds no final norm gain (written by an older dflash-extract)"
+            )
         x = hidden.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
         return x * self.final_norm_gain

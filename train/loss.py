@@ -255,7 +255,9 @@ def teacher_rows(batch: PackedBatch) -> torch.Tensor:
     into the sequence for padding blocks and slots past its end, whose weights are 0)."""
     seqs = int(batch.context_seq.max()) + 1 if batch.context_seq.numel() else 1
     starts = torch.searchsorted(batch.context_seq, torch.arange(seqs, device=batch.context_seq.device))
-    ends = torch.searchsorted(batch.context_seq, torch.arange(seqs, device=batch.context_seq.device), right=True)
+    ends = torch.searchsorted(
+        batch.context_seq, torch.arange(seqs, device=batch.context_seq.device), right=True
+    )
     seq = batch.block_seq.clamp_min(0)
     slots = torch.arange(batch.block_size - 1, device=seq.device)
     rows = starts[seq][:, None] + batch.anchor_pos[:, None] + slots

@@ -128,9 +128,7 @@ class Trainer:
         )
         last = drafter_cfg.num_target_layers - 1  # DataSpec.for_run loads it when distilling
         self.distill = (
-            Distill(cfg.drafter.distill, spec.layer_ids.index(last))
-            if cfg.drafter.distill > 0
-            else None
+            Distill(cfg.drafter.distill, spec.layer_ids.index(last)) if cfg.drafter.distill > 0 else None
         )
         self.startup.add("optimizer", time.perf_counter() - started)
 

@@ -11,6 +11,7 @@ from typing import Literal
 
 from dflash.shards.codec_costs import CODEC_COSTS
 from dflash.shards.layers import capture_layer_ids, check_layer_ids
+from dflash.shards.storage import local_path
 
 CODECS = tuple(CODEC_COSTS)  # every codec of shards/codecs.py, without importing torch
 OVERLONG_POLICIES = ("truncate", "skip")
@@ -69,10 +70,10 @@ class ExtractConfig:
     queue_depth: int = 4
 
     def __post_init__(self) -> None:
-        self.target = Path(self.target)
-        self.dataset = Path(self.dataset)
+        self.target = local_path(self.target, "--target")
+        self.dataset = local_path(self.dataset, "--dataset")
         if self.out is not None:
-            self.out = Path(self.out)
+            self.out = local_path(self.out, "--out")
         elif not self.dry_run:
             raise ValueError("out is required (the cache directory to write); pass --out CACHE")
         if self.layers is not None and self.num_draft_layers is not None:

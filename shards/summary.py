@@ -21,7 +21,7 @@ def cache_info(cache: Cache) -> dict[str, Any]:
     stored = sum(s.bytes for s in infos)
     raw = tokens * len(m.layers) * m.hidden_size * _BF16_BYTES
     return {
-        "path": str(cache.path),
+        "path": cache.location,
         "complete": m.complete,
         "samples": samples,
         "tokens": tokens,
@@ -70,7 +70,7 @@ def sample_report(cache: Cache, row: int) -> dict[str, Any]:
             s.get("reason") for s in cache.manifest.skipped if isinstance(s, dict) and s.get("row") == row
         ]
         why = f": skipped at extraction ({reasons[0]})" if reasons else ""
-        raise ValueError(f"{cache.path}: row {row} is not in this cache{why}") from None
+        raise ValueError(f"{cache.location}: row {row} is not in this cache{why}") from None
     return {
         "row": s.row,
         "length": s.length,

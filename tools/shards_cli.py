@@ -25,6 +25,7 @@ from dflash.shards.cache import Cache
 from dflash.shards.cli import run_main
 from dflash.shards.codecs import codec_names
 from dflash.shards.convert import ConvertConfig, convert_cache
+from dflash.shards.storage import local_path
 from dflash.shards.summary import cache_info, cache_stats, sample_report, shard_list
 from dflash.shards.verify import verify_cache
 
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_)
-        sp.add_argument("cache", help="cache directory (holds manifest.json)")
+        sp.add_argument("cache", help="cache directory (holds manifest.json), or s3://bucket/prefix")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
         return sp
 
@@ -147,7 +148,10 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "stats" and args.sample < 1:
         raise ValueError(f"--sample must be >= 1, got {args.sample}")
     if args.command == "convert":
+        local_path(args.out, "--out")
         return _convert(args)
+    if getattr(args, "dataset", None):
+        local_path(args.dataset, "--dataset")
     # These commands inspect and report: a row stored twice is what `verify` is there to list, not refuse.
     with Cache.open(args.cache, require_complete=False, unique_rows=False) as cache:
         if args.command == "info":

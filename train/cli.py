@@ -16,6 +16,7 @@ from typing import Any
 
 from dflash.shards.cli import run_main
 from dflash.shards.outdir import claim_out_dir
+from dflash.shards.storage import local_path
 
 from .config import (
     ATTENTION_CHOICES,
@@ -162,6 +163,8 @@ def export_main(argv: Sequence[str]) -> int:
     from .model import DFlashDrafter, DrafterConfig
 
     args = _export_parser().parse_args(argv)
+    local_path(args.run_dir, "RUN_DIR")
+    local_path(args.out, "--out")
     source = ckpt.find_checkpoint(args.run_dir, step=args.step, best=args.best)
     claim_out_dir(args.out, "export")  # the --out rule of every dflash command
     # Checked: a damaged meta.json is one line naming the field.

@@ -19,6 +19,7 @@ from typing import Any
 from dflash.shards.errors import ShardError
 from dflash.shards.layers import check_layer_ids
 from dflash.shards.safe_io import load_json, read_regular
+from dflash.shards.storage import check_url, is_url, local_path
 
 ON_CORRUPT_CHOICES = ("skip", "fail")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -170,6 +171,9 @@ class TrainConfig:
             raise ValueError("cache is empty: pass --cache CACHE_DIR (a directory written by dflash-extract)")
         if not self.out:
             raise ValueError("out is empty: pass --out RUN_DIR (where checkpoints and metrics go)")
+        local_path(self.out, "--out")  # a run directory is local (each node writes its own checkpoints)
+        if is_url(self.cache):
+            check_url(self.cache, "--cache")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device={self.device!r}: choose one of {', '.join(DEVICE_CHOICES)}")
         if self.attention not in ATTENTION_CHOICES:

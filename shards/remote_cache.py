@@ -1,0 +1,63 @@
+"""A cache on object storage, read locally: its manifest and `target/` copied into a local directory, so every
+reader of those files (training's frozen weights, the target-file digests, verify) works unchanged, while
+shards stay remote and are read by range requests (`cache.Cache`).
+
+The local directory (`local_dir`, default one per URL under `$XDG_CACHE_HOME/dflash/remote`) holds only what
+is copied: a `target/` file already there with the recorded size and digest is kept (a 2.5 GB frozen table is
+fetched once per node, not once per launch), anything else is fetched again; the manifest is fetched every
+time (an extraction may be writing it). Every copied file is checked against the manifest's digests by the
+readers that use it, exactly as a local cache's are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from .atomic import atomic_write, atomic_write_bytes
+from .manifest import MAX_MANIFEST_BYTES, load_manifest
+from .paths import MANIFEST_NAME, TARGET_DIR
+from .storage import Storage
+from .target_files import HASH, file_digest
+
+
+def default_local_dir(location: str) -> Path:
+    """One directory per cache URL (hashed: the URL never becomes a path)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash" / "remote"
+    return base / hashlib.sha256(location.encode()).hexdigest()[:20]
+
+
+def _matches(path: Path, record: dict) -> bool:
+    try:
+        got = file_digest(path)
+    except (OSError, ValueError):
+        return False
+    return got["bytes"] == record.get("bytes") and (HASH not in record or got[HASH] == record[HASH])
+
+
+def _download(storage: Storage, key: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: storage.get_file(key, tmp))
+
+
+def stage_remote(storage: Storage, local_dir: str | os.PathLike | None = None) -> Path:
+    """Copy the manifest and target/ of the cache at `storage` into `local_dir`; returns that directory."""
+    local = Path(local_dir) if local_dir else default_local_dir(storage.location)
+    local.mkdir(parents=True, exist_ok=True)
+    data = storage.read_all(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    atomic_write_bytes(local / MANIFEST_NAME, data)
+    manifest = load_manifest(local)
+    recorded = dict(manifest.target_files)
+    names = set(recorded) or set(storage.list_sizes(TARGET_DIR))
+    target = local / TARGET_DIR
+    for name in sorted(names):
+        path = target / name
+        if name in recorded and _matches(path, recorded[name]):
+            continue
+        _download(storage, f"{TARGET_DIR}/{name}", path)
+    if target.is_dir():  # files of an older copy the manifest no longer records would be refused as extra
+        for extra in target.iterdir():
+            if extra.name not in names and extra.is_file():
+                extra.unlink()
+    return local

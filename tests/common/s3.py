@@ -1,0 +1,168 @@
+"""A real S3 server for tests: moto's standalone server in a subprocess on a free local port, behind a TCP
+relay the tests can take down and bring back (the server keeps its objects: moto holds them in memory).
+
+    server = S3Server.start(); server.env -> AWS_* variables; server.down(); server.up(); server.close()
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto server exited with {proc.returncode}")
+        with suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"moto server did not listen on port {port} within {timeout} s")
+
+
+class Relay:
+    """TCP relay 127.0.0.1:port -> the server; `down()` drops every connection and refuses new ones."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.port = free_port()
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self.up()
+
+    def up(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        with self._lock:
+            for s in self._open:
+                with suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            self._open.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open |= {client, server}
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        with suppress(OSError):
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+        for s in (a, b):
+            with suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+class S3Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
+        self.proc, self.server_port, self.log = proc, port, log
+        self.relay = Relay(port)
+        self.endpoint = f"http://127.0.0.1:{self.relay.port}"
+        self.env = {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "dflash-test-key",
+            "AWS_SECRET_ACCESS_KEY": "dflash-test-secret",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    @classmethod
+    def start(cls, log_dir: Path) -> S3Server:
+        port = free_port()
+        log = log_dir / "moto.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"},
+        )
+        _wait_for_port(port, proc)
+        return cls(proc, port, log)
+
+    def client(self):  # boto3, for setting up and inspecting buckets
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+        )
+
+    def new_bucket(self) -> str:
+        name = f"dflash-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> dict[str, int]:
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
+
+    def down(self) -> None:
+        self.relay.down()
+
+    def up(self) -> None:
+        self.relay.up()
+
+    def close(self) -> None:
+        self.relay.down()
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@contextmanager
+def s3_env(server: S3Server) -> Iterator[dict[str, str]]:
+    """The process environment pointed at `server` (restored after)."""
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server.env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

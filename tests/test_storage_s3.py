@@ -1,0 +1,141 @@
+"""Caches on object storage: read through a real S3 server (moto's, in a subprocess: `common/s3.py`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from common.synth import make_cache
+from dflash.shards import Cache
+from dflash.tools.shards_cli import main as shards_main
+
+
+def upload_dir(server, bucket: str, prefix: str, root: Path) -> None:
+    client = server.client()
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root).as_posix()}")
+
+
+@pytest.fixture(scope="module")
+def local_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("s3src") / "cache"
+    make_cache(
+        path, [5, 60, 7, 300, 2], layers=(2, 5), hidden=64, rows_per_shard=3, skipped=((1, "too long"),)
+    )
+    return path
+
+
+@pytest.fixture
+def remote_cache(s3, local_cache: Path) -> str:
+    bucket = s3.new_bucket()
+    upload_dir(s3, bucket, "caches/a", local_cache)
+    return f"s3://{bucket}/caches/a"
+
+
+def _json(capsys: pytest.CaptureFixture[str], argv: list[str], rc: int = 0) -> dict:
+    assert shards_main(argv) == rc
+    return json.loads(capsys.readouterr().out)
+
+
+def test_inspecting_commands_read_s3_as_local(
+    remote_cache: str, local_cache: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for command in (
+        ["info"],
+        ["ls"],
+        ["show", "3"],
+        ["stats", "--sample", "3"],
+        ["verify"],
+        ["verify", "--quick"],
+    ):
+        local = _json(capsys, [command[0], str(local_cache), *command[1:], "--json"])
+        remote = _json(capsys, [command[0], remote_cache, *command[1:], "--json"])
+        for d in (local, remote):
+            d.pop("path", None), d.pop("cache", None)
+        assert remote == local, command
+    assert (
+        tmp_path / "xdg" / "dflash" / "remote"
+    ).is_dir()  # manifest and target/ copied there, not into CWD
+    assert not Path("s3:").exists()
+
+
+def test_samples_read_by_range_equal_local(remote_cache: str, local_cache: Path, tmp_path: Path) -> None:
+    with Cache.open(local_cache) as a, Cache.open(remote_cache, local_dir=tmp_path / "stage") as b:
+        assert b.location == remote_cache and b.shard_file_problems() == {}
+        for e in a.entries():
+            x, y = a.read(e.row), b.read(e.row)
+            assert x.input_ids.equal(y.input_ids) and x.loss_mask.equal(y.loss_mask)
+            assert all(x.hidden[k].equal(y.hidden[k]) for k in x.hidden)
+        sub = b.read(3, [5], dequantize=False)
+        assert list(sub.hidden) == [5]
+
+
+def test_corrupt_object_is_named_by_its_url(s3, remote_cache: str, tmp_path: Path, capsys) -> None:
+    bucket, prefix = remote_cache[5:].split("/", 1)
+    client = s3.client()
+    key = f"{prefix}/shards/shard-000000.dfs"
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[20] ^= 0xFF  # inside the first sample's frames
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    d = _json(capsys, ["verify", remote_cache, "--json"], rc=1)
+    assert not d["ok"] and any(
+        f"{remote_cache}/shards/shard-000000.dfs: sample 0" in p for p in json.dumps(d).split('"')
+    )
+    client.delete_object(Bucket=bucket, Key=key)
+    with Cache.open(remote_cache, local_dir=tmp_path / "stage") as cache:
+        assert "missing, the manifest lists it" in cache.shard_file_problems()["shard-000000.dfs"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["info", "s3x://bucket/cache"],
+        ["info", "gs:/"],
+        ["info", "s3://key:secret@bucket/cache"],
+        ["convert", "cache", "--codec", "q4", "--out", "gopher://host/x"],
+    ],
+)
+def test_unsupported_urls_refused_in_one_line(argv: list[str], capsys, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert shards_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "secret" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_wrong_credentials_one_line(s3, remote_cache: str, monkeypatch, capsys, tmp_path: Path) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "not-a-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-123")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rc = shards_main(["info", remote_cache])
+    err = capsys.readouterr().err
+    # moto accepts any key unless IAM is on; a real service refuses it: either way no traceback, no secret.
+    assert "wrong-secret-123" not in err and "Traceback" not in err
+    assert rc in (0, 2)
+
+
+@pytest.mark.parametrize(
+    ("prog", "argv"),
+    [
+        ("extract", ["--target", "t", "--dataset", "d", "--out", "s3x://bucket/cache"]),
+        ("extract", ["--target", "s3://bucket/target", "--dataset", "d", "--out", "c"]),
+        ("train", ["--cache", "c", "--out", "s3://bucket/run"]),
+        ("train", ["--cache", "nope://bucket/cache", "--out", "run"]),
+        ("train", ["export", "run", "--out", "s3://bucket/export"]),
+    ],
+)
+def test_url_flags_refused_in_one_line_and_no_folder(
+    prog: str, argv: list[str], capsys, tmp_path, monkeypatch
+) -> None:
+    """`dflash-extract --out s3://...` used to exit 0 having written a local folder named `s3:`."""
+    from dflash.extract.cli import main as extract_main
+    from dflash.train.cli import main as train_main
+
+    monkeypatch.chdir(tmp_path)
+    assert (extract_main if prog == "extract" else train_main)(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []

@@ -11,7 +11,8 @@ from typing import Literal
 
 from dflash.shards.codec_costs import CODEC_COSTS
 from dflash.shards.layers import capture_layer_ids, check_layer_ids
-from dflash.shards.storage import local_path
+from dflash.shards.publish import default_stage_dir
+from dflash.shards.storage import check_url, is_url, local_path
 
 CODECS = tuple(CODEC_COSTS)  # every codec of shards/codecs.py, without importing torch
 OVERLONG_POLICIES = ("truncate", "skip")
@@ -68,10 +69,16 @@ class ExtractConfig:
     json: bool = False
     num_encode_threads: int | None = None
     queue_depth: int = 4
+    publish_to: str | None = None  # --out URL (s3://bucket/prefix): `out` is then the local staging directory
+    stage_dir: Path | None = None
 
     def __post_init__(self) -> None:
         self.target = local_path(self.target, "--target")
         self.dataset = local_path(self.dataset, "--dataset")
+        if self.out is not None and is_url(str(self.out)) and not str(self.out).startswith("file://"):
+            # Object storage: written into a local staging directory, published as it goes (shards.publish).
+            self.publish_to = check_url(str(self.out), "--out")
+            self.out = Path(self.stage_dir) if self.stage_dir else default_stage_dir(self.publish_to)
         if self.out is not None:
             self.out = local_path(self.out, "--out")
         elif not self.dry_run:

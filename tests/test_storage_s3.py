@@ -139,3 +139,31 @@ def test_url_flags_refused_in_one_line_and_no_folder(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def _train_argv(cache: str | Path, run: Path) -> list[str]:
+    from common.train_cli import tiny_train_argv
+
+    return tiny_train_argv(
+        cache, run, "--max-steps", "4", "--save-every", "2", "--eval-every", "2", "--no-tensorboard",
+        "--no-plots", "--num-draft-layers", "2", "--target-layer-ids", "1,3", "--seed", "3",
+    )  # fmt: skip
+
+
+def test_training_from_s3_equals_training_from_disk(s3, tmp_path: Path, monkeypatch) -> None:
+    from common.fake_cache import write_fake_cache
+    from dflash.train import cli as train_cli
+    from dflash.train.metrics import read_metrics
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    local = write_fake_cache(tmp_path / "cache", num_samples=30, samples_per_shard=10)
+    bucket = s3.new_bucket()
+    upload_dir(s3, bucket, "c", local)
+    assert train_cli.main(_train_argv(local, tmp_path / "run_local")) == 0
+    assert train_cli.main(_train_argv(f"s3://{bucket}/c", tmp_path / "run_s3")) == 0
+    losses = [
+        [r.get("loss") for r in read_metrics(tmp_path / name) if "loss" in r]
+        for name in ("run_local", "run_s3")
+    ]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
+    assert train_cli.main(["export", str(tmp_path / "run_s3"), "--out", str(tmp_path / "export")]) == 0

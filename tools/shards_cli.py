@@ -25,7 +25,8 @@ from dflash.shards.cache import Cache
 from dflash.shards.cli import run_main
 from dflash.shards.codecs import codec_names
 from dflash.shards.convert import ConvertConfig, convert_cache
-from dflash.shards.storage import local_path
+from dflash.shards.publish import remote_output
+from dflash.shards.storage import check_url, is_url, local_path
 from dflash.shards.summary import cache_info, cache_stats, sample_report, shard_list
 from dflash.shards.verify import verify_cache
 
@@ -58,7 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert = add("convert", "re-encode every shard with another codec into a new cache (resumable)")
     convert.add_argument("--codec", required=True, choices=codec_names(), help="the new cache's codec")
-    convert.add_argument("--out", required=True, help="the new cache directory (re-run to resume)")
+    convert.add_argument(
+        "--out", required=True, help="the new cache directory or s3://bucket/prefix (re-run to resume)"
+    )
+    convert.add_argument(
+        "--stage-dir", help="--out URL only: the local directory the new cache is built in before upload"
+    )
     convert.add_argument("--threads", type=int, default=0, help="encode threads (default: one per core)")
     convert.add_argument(
         "--device",
@@ -119,10 +125,22 @@ def _print_info(d: dict[str, Any]) -> None:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    config = ConvertConfig(
-        source=args.cache, out=args.out, codec=args.codec, threads=args.threads, device=args.device
-    )
-    d = convert_cache(config).to_dict()
+    if is_url(args.out) and not args.out.startswith("file://"):  # built in a staging dir, then published
+        check_url(args.out, "--out")
+        with remote_output(args.out, args.stage_dir, f"{PROG} convert") as staged:
+            if staged is None:
+                print(f"{args.out} is already a complete cache: nothing to convert")
+                return 0
+            config = ConvertConfig(
+                source=args.cache, out=staged, codec=args.codec, threads=args.threads, device=args.device
+            )
+            d = convert_cache(config).to_dict()
+        d["out"] = args.out
+    else:
+        config = ConvertConfig(
+            source=args.cache, out=args.out, codec=args.codec, threads=args.threads, device=args.device
+        )
+        d = convert_cache(config).to_dict()
     if args.json:
         print(json.dumps(d, indent=1))
         return 0
@@ -148,7 +166,6 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "stats" and args.sample < 1:
         raise ValueError(f"--sample must be >= 1, got {args.sample}")
     if args.command == "convert":
-        local_path(args.out, "--out")
         return _convert(args)
     if getattr(args, "dataset", None):
         local_path(args.dataset, "--dataset")

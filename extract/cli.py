@@ -179,8 +179,8 @@ def config_from_args(argv: Sequence[str] | None) -> ExtractConfig:
     )
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    config = config_from_args(argv)
+def run_config(config: ExtractConfig) -> int:
+    """Run `config` as the command line does: the dry run, a local extraction, or one published to `--out URL`."""
     if config.dry_run:
         from .dryrun import run_dry_run
 
@@ -201,6 +201,10 @@ def _main(argv: Sequence[str] | None) -> int:
         run_extraction(config)
     print(f"published to {config.publish_to} (staged in {config.out})")
     return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    return run_config(config_from_args(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

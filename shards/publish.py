@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 LEASE_TTL_S = 300.0
 LEASE_RENEW_S = 30.0
 PUBLISH_EVERY_S = 2.0
+_HELD: set[float] = set()  # `started` of the locks this process holds now
 
 
 class PrefixLocked(ShardError):
@@ -85,13 +86,17 @@ class RemoteLock:
         if not isinstance(renewed, (int, float)) or time.time() - renewed > LEASE_TTL_S:
             return f"not renewed for over {LEASE_TTL_S:.0f} s"
         pid = holder.get("pid")
-        if holder.get("host") == self.info["host"] and isinstance(pid, int) and not _alive(pid):
-            return f"pid {pid} on this host no longer runs"
+        if holder.get("host") == self.info["host"] and isinstance(pid, int):
+            if not _alive(pid):
+                return f"pid {pid} on this host no longer runs"
+            if pid == os.getpid() and holder.get("started") not in _HELD:  # an earlier run of this process
+                return "run in this process ended without releasing it"
         return None
 
     def acquire(self) -> RemoteLock:
         for _ in range(3):
             if self.storage.create_exclusive(LOCK_NAME, self._body()):
+                _HELD.add(self.info["started"])
                 self._thread = threading.Thread(target=self._renew, name="dflash-lease", daemon=True)
                 self._thread.start()
                 return self
@@ -114,6 +119,7 @@ class RemoteLock:
                 self.storage.put(LOCK_NAME, self._body())
 
     def release(self) -> None:
+        _HELD.discard(self.info["started"])
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

@@ -47,6 +47,8 @@ class Relay:
         self.up()
 
     def up(self) -> None:
+        if self._listener is not None:
+            return
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", self.port))

@@ -143,8 +143,6 @@ def test_default_layer_ids_must_be_cached(tmp_path: Path) -> None:
         train(tiny_debug(str(cache), str(tmp_path / "run"), max_steps=1))
 
 
-
-
 def test_kill9_then_resume_reproduces_the_losses_exactly(cache_dir: Path, tmp_path: Path) -> None:
     flags = [
         "--preset",

@@ -21,8 +21,9 @@ from .paths import SHARDS_DIR, unit_of_shard
 from .reader import Sample, ShardReader
 from .remote_cache import stage_remote
 from .row_ledger import RowLedger, suspect_repeated_rows
-from .storage import RemoteFile, Storage, is_url, open_storage
+from .storage import RemoteFile, Storage, open_storage
 from .trust import ReadLimits, check_manifest_for_reading, check_shard_identity, check_shard_layout
+from .urls import is_url
 
 
 @dataclass(frozen=True, slots=True)

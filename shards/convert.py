@@ -47,10 +47,10 @@ from .manifest import Manifest, ShardInfo, load_manifest, refuse_other_settings,
 from .outdir import claim_out_dir
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR
 from .reader import ShardReader
-from .storage import is_url, local_path
 from .target_files import check_target_files, digest_files, target_file_problems
 from .target_parts import check_target_parts, target_dir
 from .threads import torch_threads
+from .urls import is_url, local_path
 from .writer import Committer, EncodedSample, ShardMeta, ShardWriter, encode_sample
 
 

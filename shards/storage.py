@@ -1,8 +1,6 @@
 """Where a cache lives: a local directory or an object-storage prefix (`s3://bucket/prefix`, any fsspec URL).
 
-    location_kind(text)              "local" or "url"; a URL nothing here can serve is refused in one line
-    local_path(text, flag)           a local path, or one line refusing a URL where only a path works
-    open_storage(location) -> Storage
+    open_storage(location) -> Storage   a URL (checked by `urls.check_url`) or a local directory
     Storage: size, listing, range reads, whole-object reads, atomic puts, conditional create, delete
 
 Local storage keeps the behaviour every local cache had before (`atomic.py`: temp, fsync, rename). Remote
@@ -22,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import threading
 import time
 from collections import Counter
@@ -33,10 +30,9 @@ from typing import TypeVar
 from .atomic import atomic_write_bytes, fsync_dir
 from .errors import ShardError
 from .safe_io import open_regular, read_regular
+from .urls import check_url, is_url, local_path, scheme
 
 T = TypeVar("T")
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
-_CREDENTIALS_IN_URL = re.compile(r"^[^/@]*@")
 RETRIES = 6
 BACKOFF_S = 0.2  # first wait; doubles per attempt, capped at 5 s
 _TRANSIENT_CODES = {
@@ -54,61 +50,16 @@ def transient_counts() -> dict[str, int]:
         return dict(_counts)
 
 
+def storage_retries() -> dict[str, dict[str, int]]:
+    """`{"storage_retries": transient_counts()}` once a request was retried, else {} (a metrics record's part)."""
+    counts = transient_counts()
+    return {"storage_retries": counts} if counts else {}
+
+
 def _count(kind: str) -> None:
     with _counts_lock:
         _counts[kind] += 1
         _counts["retries"] += 1
-
-
-def is_url(text: str | os.PathLike) -> bool:
-    return isinstance(text, str) and _URL.match(text) is not None
-
-
-def _scheme(url: str) -> str:
-    m = _URL.match(url)
-    assert m is not None
-    return m.group(1).lower()
-
-
-def check_url(url: str, flag: str = "") -> str:
-    """`url` when fsspec can serve it, else one line naming what is wrong (ValueError)."""
-    label = f"{flag} {url}" if flag else url
-    scheme, rest = _scheme(url), _URL.match(url).group(2)  # type: ignore[union-attr]
-    if _CREDENTIALS_IN_URL.match(rest):
-        raise ValueError(
-            f"{flag or 'the location'}: credentials inside a URL are refused (they would be printed and "
-            "recorded); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE instead"
-        )
-    if scheme == "file":
-        return url
-    try:
-        import fsspec
-    except ImportError:  # pragma: no cover - a base dependency
-        raise ValueError(f"{label}: object storage needs fsspec (pip install fsspec s3fs)") from None
-    try:
-        fsspec.get_filesystem_class(scheme)
-    except ValueError:
-        raise ValueError(
-            f"{label}: unknown URL scheme {scheme!r}: give a local path, s3://bucket/prefix or another "
-            "fsspec URL"
-        ) from None
-    except ImportError as exc:
-        raise ValueError(f"{label}: {scheme}:// needs a package that is not installed ({exc})") from None
-    if not rest.strip("/"):
-        raise ValueError(f"{label}: names no bucket or path")
-    return url
-
-
-def local_path(text: str | os.PathLike, flag: str) -> Path:
-    """`text` as a local path; a URL is refused in one line (no folder named `s3:` is ever created)."""
-    if is_url(str(text)):
-        url = str(text)
-        if _scheme(url) == "file":
-            return Path(_URL.match(url).group(2))  # type: ignore[union-attr]
-        raise ValueError(
-            f"{flag} {url}: takes a local path, not a URL (object storage is not supported here)"
-        )
-    return Path(text)
 
 
 def _transient_kind(exc: BaseException) -> str | None:
@@ -292,7 +243,7 @@ class RemoteStorage(Storage):
 
         self.location = check_url(url)
         options: dict = {"skip_instance_cache": True}  # the environment (endpoint, credentials) read now
-        if _scheme(url) in ("s3", "s3a"):  # retried here, once per attempt, so that every retry is counted
+        if scheme(url) in ("s3", "s3a"):  # retried here, once per attempt, so that every retry is counted
             options["config_kwargs"] = _S3_CLIENT
         self.fs, root = fsspec.core.url_to_fs(url, **options)
         if hasattr(self.fs, "retries"):
@@ -375,7 +326,7 @@ class RemoteStorage(Storage):
 def open_storage(location: str | os.PathLike) -> Storage:
     """The storage of a cache root: a URL (checked) or a local directory."""
     text = str(location)
-    if is_url(text) and _scheme(text) != "file":
+    if is_url(text) and scheme(text) != "file":
         return RemoteStorage(text)
     return LocalStorage(local_path(text, "the location") if is_url(text) else Path(location))
 

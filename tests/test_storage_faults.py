@@ -200,3 +200,41 @@ def test_server_gone_for_good_fails_in_one_line_then_resume_completes(
     monkeypatch.setattr(stages.GpuStep, "__call__", step)
     assert run_config(config) == 0  # the same command, the server back: it completes
     assert _remote_shards(url, tmp_path / "read") == shard_bytes(setup["reference"])
+
+
+@pytest.mark.slow
+def test_training_sigkill_then_resume_from_s3_reproduces_the_losses(s3, tmp_path: Path) -> None:
+    from dflash.train.cli import main as train_main
+    from dflash.train.metrics import read_metrics
+
+    from tests.common.fake_cache import write_fake_cache
+    from tests.common.s3 import upload_dir
+    from tests.common.train_cli import KILLER, tiny_train_argv
+
+    local = write_fake_cache(tmp_path / "cache", num_samples=24, samples_per_shard=6)
+    bucket = s3.new_bucket()
+    upload_dir(s3, bucket, "c", local)
+    flags = ["--max-steps", "6", "--save-every", "3", "--eval-every", "3", "--log-every", "1", "--no-tensorboard",
+             "--no-plots", "--epochs", "10"]  # fmt: skip
+    assert train_main(tiny_train_argv(local, tmp_path / "reference", *flags)) == 0
+    run = tmp_path / "run"
+    argv = tiny_train_argv(f"s3://{bucket}/c", run, *flags)  # type: ignore[arg-type]
+    env = {**os.environ, "KILL_AT_STEP": "4", "PYTHONPATH": str(REPO)}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLER, *argv], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(run)][-1] == 4
+    resumed = subprocess.run(
+        [sys.executable, "-m", "dflash.train.cli", *argv, "--resume"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    def trajectory(path: Path) -> list[tuple]:
+        return [(r["step"], r["loss"], r["lr"], r["grad_norm"], r.get("tau")) for r in read_metrics(path)]
+
+    assert trajectory(run) == trajectory(tmp_path / "reference")  # bit for bit, local disk vs s3 + a kill

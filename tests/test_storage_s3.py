@@ -10,12 +10,7 @@ from common.synth import make_cache
 from dflash.shards import Cache
 from dflash.tools.shards_cli import main as shards_main
 
-
-def upload_dir(server, bucket: str, prefix: str, root: Path) -> None:
-    client = server.client()
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root).as_posix()}")
+from tests.common.s3 import upload_dir
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ from dflash.shards.cli import run_main
 from dflash.shards.codecs import codec_names
 from dflash.shards.convert import ConvertConfig, convert_cache
 from dflash.shards.publish import remote_output
-from dflash.shards.storage import check_url, is_url, local_path
 from dflash.shards.summary import cache_info, cache_stats, sample_report, shard_list
+from dflash.shards.urls import check_url, is_url, local_path
 from dflash.shards.verify import verify_cache
 
 PROG = "dflash-shards"

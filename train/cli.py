@@ -16,7 +16,7 @@ from typing import Any
 
 from dflash.shards.cli import run_main
 from dflash.shards.outdir import claim_out_dir
-from dflash.shards.storage import local_path
+from dflash.shards.urls import local_path
 
 from .config import (
     ATTENTION_CHOICES,

@@ -19,7 +19,7 @@ from typing import Any
 from dflash.shards.errors import ShardError
 from dflash.shards.layers import check_layer_ids
 from dflash.shards.safe_io import load_json, read_regular
-from dflash.shards.storage import check_url, is_url, local_path
+from dflash.shards.urls import check_url, is_url, local_path
 
 ON_CORRUPT_CHOICES = ("skip", "fail")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")

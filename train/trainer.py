@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from dflash.shards import Cache
 from dflash.shards.atomic import atomic_write_json
+from dflash.shards.storage import storage_retries
 
 from . import checkpoint as ckpt
 from .checkpoint_files import LOADER_FIELDS, CheckpointError, check_loader_state, read_meta
@@ -296,6 +297,7 @@ class Trainer:
                         "lr": step.lr,
                         "grad_norm": float(step.grad_norm),
                         "skipped_shards": len(self.loader.bad_shards),  # every rank plans over every shard
+                        **storage_retries(),  # this rank's retried object-storage requests, when any
                         **window.record(
                             self._reduce_sum, self.info.world_size, loader_state["skipped_samples"]
                         ),

@@ -13,8 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 
 
@@ -155,16 +154,9 @@ class S3Server:
             self.proc.kill()
 
 
-@contextmanager
-def s3_env(server: S3Server) -> Iterator[dict[str, str]]:
-    """The process environment pointed at `server` (restored after)."""
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    try:
-        yield server.env
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def upload_dir(server: S3Server, bucket: str, prefix: str, root: Path) -> None:
+    """Every file under `root` as `prefix/<relative path>` (a local cache copied to the bucket)."""
+    client = server.client()
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root).as_posix()}")

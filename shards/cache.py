@@ -19,7 +19,7 @@ from .errors import DuplicateRows, ShardError
 from .manifest import Manifest, ShardInfo, load_manifest
 from .paths import SHARDS_DIR, unit_of_shard
 from .reader import Sample, ShardReader
-from .remote_cache import stage_remote
+from .remote_cache import ShardFileCache, stage_remote
 from .row_ledger import RowLedger, suspect_repeated_rows
 from .storage import RemoteFile, Storage, open_storage
 from .trust import ReadLimits, check_manifest_for_reading, check_shard_identity, check_shard_layout
@@ -90,6 +90,7 @@ class Cache:
         self.path = path  # local: the cache; remote: the local copy of its manifest and target/
         self.storage = storage if storage is not None and storage.is_remote else None
         self.location = self.storage.location if self.storage else str(path)  # what messages name
+        self._shard_cache: ShardFileCache | None = None
         self.manifest = manifest
         self.shard_names = shard_names
         self._known = set(shard_names)
@@ -113,6 +114,7 @@ class Cache:
         max_open_shards: int = 64,
         unique_rows: bool = True,
         local_dir: str | os.PathLike | None = None,
+        shard_cache_bytes: int = 0,
     ) -> Cache:
         """Complete caches list shards from the manifest (no directory scan, no footer read until used);
         `require_complete=False` lists the committed `shards/shard-*.dfs` instead (resume, verify).
@@ -121,7 +123,9 @@ class Cache:
         when the manifest already suggests one (`suspect_repeated_rows`), else when the shard holding the
         second copy is opened; `verify` and the inspecting commands pass False and report it themselves.
         `path` may be a URL (`s3://bucket/prefix`): manifest and target/ are copied into `local_dir` (default:
-        one per URL under ~/.cache/dflash/remote) and shards are read by range requests."""
+        one per URL under ~/.cache/dflash/remote) and shards are read by range requests, or, with
+        `shard_cache_bytes`, downloaded whole into `local_dir`/shards and kept there up to that many bytes
+        (`remote_cache.ShardFileCache`)."""
         storage = open_storage(path) if is_url(str(path)) else None
         if storage is not None:  # a remote cache's manifest and target/ are read from their local copy
             path = stage_remote(storage, local_dir) if storage.is_remote else storage.root
@@ -132,6 +136,7 @@ class Cache:
         if manifest.complete:
             names = [s.name for s in manifest.shards]
             cache = cls(path, manifest, names, True, max_open_shards, unique_rows, storage)
+            cache.use_shard_cache(shard_cache_bytes)
             if unique_rows and suspect_repeated_rows(manifest):
                 try:
                     cache.check_rows_once()
@@ -145,9 +150,15 @@ class Cache:
                 "or open with require_complete=False to read what is committed"
             )
         cache = cls(path, manifest, [], False, max_open_shards, unique_rows, storage)
+        cache.use_shard_cache(shard_cache_bytes)
         cache.shard_names = cache.committed_names()
         cache._known = set(cache.shard_names)
         return cache
+
+    def use_shard_cache(self, max_bytes: int) -> None:
+        """Keep up to `max_bytes` of whole remote shards in `path`/shards (a remote cache; 0: range reads only)."""
+        if self.storage is not None and max_bytes > 0:
+            self._shard_cache = ShardFileCache(self.path / SHARDS_DIR, max_bytes)
 
     def committed_names(self) -> list[str]:
         """The committed shards present now (`shard-*.dfs` on disk, or objects under the prefix), sorted."""
@@ -207,9 +218,12 @@ class Cache:
         if self.storage is None:
             return ShardReader.open(self.path / SHARDS_DIR / name, self.limits)
         key = f"{SHARDS_DIR}/{name}"
-        return ShardReader.open_file(
-            RemoteFile(self.storage, key), self.storage.where(key), self.limits, name
-        )
+        if self._shard_cache is None:
+            file = RemoteFile(self.storage, key)
+        else:
+            listed = self._listed.get(name)
+            file = self._shard_cache.open(self.storage, key, name, listed.bytes if listed else None)
+        return ShardReader.open_file(file, self.storage.where(key), self.limits, name)
 
     def shard_file_problems(self) -> dict[str, str]:
         """`shard_file_problems` of the shards the manifest lists (none for a cache still being written)."""

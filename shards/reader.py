@@ -235,9 +235,19 @@ class ShardReader:
         else:
             slots = [0, 1, *(2 + self._layer_pos[layer] for layer in wanted)]
             bufs = [None] * len(entry.frames)
-            for k in slots:
-                off, ln, _ = entry.frames[k]
-                bufs[k] = self._file.pread(ln, off)
+            if getattr(
+                self._file, "coalesce", False
+            ):  # one range request: a round trip costs more than bytes
+                last = max(slots)
+                end = entry.frames[last][0] + entry.frames[last][1]
+                view = memoryview(self._file.pread(end - entry.start, entry.start))
+                for k in slots:
+                    off, ln, _ = entry.frames[k]
+                    bufs[k] = view[off - entry.start : off - entry.start + ln]
+            else:
+                for k in slots:
+                    off, ln, _ = entry.frames[k]
+                    bufs[k] = self._file.pread(ln, off)
         rows = max_tokens or 0
         hidden = {
             layer: self._decode(

@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 from .atomic import atomic_write, atomic_write_bytes
 from .manifest import MAX_MANIFEST_BYTES, load_manifest
 from .paths import MANIFEST_NAME, TARGET_DIR
-from .storage import Storage
+from .reader import LocalFile, RangeFile
+from .storage import RemoteFile, Storage
 from .target_files import HASH, file_digest
 
 
-def default_local_dir(location: str) -> Path:
-    """One directory per cache URL (hashed: the URL never becomes a path)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash" / "remote"
-    return base / hashlib.sha256(location.encode()).hexdigest()[:20]
+def default_local_dir(location: str, base: str | os.PathLike | None = None) -> Path:
+    """One directory per cache URL under `base` (default `$XDG_CACHE_HOME/dflash/remote`), named by a hash:
+    the URL never becomes a path, and two caches never share one (their shard names are the same)."""
+    if base is None:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash" / "remote"
+    return Path(base) / hashlib.sha256(location.encode()).hexdigest()[:20]
 
 
 def _matches(path: Path, record: dict) -> bool:
@@ -42,7 +46,8 @@ def _download(storage: Storage, key: str, path: Path) -> None:
 
 
 def stage_remote(storage: Storage, local_dir: str | os.PathLike | None = None) -> Path:
-    """Copy the manifest and target/ of the cache at `storage` into `local_dir`; returns that directory."""
+    """Copy the manifest and target/ of the cache at `storage` into `local_dir` (default: `default_local_dir`);
+    returns that directory."""
     local = Path(local_dir) if local_dir else default_local_dir(storage.location)
     local.mkdir(parents=True, exist_ok=True)
     data = storage.read_all(MANIFEST_NAME, MAX_MANIFEST_BYTES)
@@ -61,3 +66,43 @@ def stage_remote(storage: Storage, local_dir: str | os.PathLike | None = None) -
             if extra.name not in names and extra.is_file():
                 extra.unlink()
     return local
+
+
+class ShardFileCache:
+    """Whole shard objects kept in a local directory, at most `max_bytes` of them: a multi-epoch run reads each
+    shard from object storage once per node instead of once per epoch. The least recently opened are evicted
+    (a reader holding one open keeps reading it: unlinking never cuts an open descriptor). Processes may share
+    the directory: downloads land under a per-process temp name and are renamed in; the size bound is
+    checked against the directory's content, not a count kept in memory. What is read from here is checked as
+    what is read remotely: the index checksum at open, the manifest's identity, every frame's checksum."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def open(self, storage: Storage, key: str, name: str, size: int | None) -> RangeFile:
+        path = self.directory / name
+        if size is None or size > self.max_bytes:
+            return RemoteFile(storage, key)
+        with self._lock:
+            if path.is_file() and path.stat().st_size == size:
+                os.utime(path)  # most recently used
+                self.hits += 1
+                return LocalFile(path)
+            self.misses += 1
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._make_room(size)
+        atomic_write(path, lambda tmp: storage.get_file(key, tmp))
+        return LocalFile(path)
+
+    def _make_room(self, size: int) -> None:
+        with self._lock:
+            files = [p for p in self.directory.iterdir() if p.is_file() and not p.name.startswith(".")]
+            stats = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in files), key=lambda t: t[0])
+            total = sum(s for _, s, _ in stats)
+            for _, s, p in stats:
+                if total + size <= self.max_bytes:
+                    break
+                p.unlink(missing_ok=True)
+                total -= s

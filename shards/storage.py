@@ -42,12 +42,26 @@ _TRANSIENT_CODES = {
 _S3_CLIENT = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 1}}
 _counts_lock = threading.Lock()
 _counts: Counter[str] = Counter()
+_requests: Counter[str] = Counter()
 
 
 def transient_counts() -> dict[str, int]:
     """Retried remote errors by kind since the process started (`retries` counts every retry)."""
     with _counts_lock:
         return dict(_counts)
+
+
+def request_counts() -> dict[str, int]:
+    """Remote requests made since the process started, by kind, and the bytes they moved (for benchmarks)."""
+    with _counts_lock:
+        return dict(_requests)
+
+
+def _request(kind: str, nbytes: int = 0) -> None:
+    with _counts_lock:
+        _requests[kind] += 1
+        if nbytes:
+            _requests[f"{kind}_bytes"] += nbytes
 
 
 def storage_retries() -> dict[str, dict[str, int]]:
@@ -265,6 +279,7 @@ class RemoteStorage(Storage):
                 return None
             return int(info["size"]) if info.get("type") != "directory" else None
 
+        _request("head")
         return retrying(stat, self.where(key))
 
     def list_sizes(self, prefix: str) -> dict[str, int]:
@@ -279,11 +294,13 @@ class RemoteStorage(Storage):
                 if e.get("type") == "file"
             }
 
+        _request("list")
         return retrying(listing, self.where(prefix))
 
     def read_range(self, key: str, offset: int, size: int) -> bytes:
         if size == 0:
             return b""
+        _request("get", size)
         return retrying(
             lambda: self.fs.cat_file(self._key(key), start=offset, end=offset + size), self.where(key)
         )
@@ -297,12 +314,15 @@ class RemoteStorage(Storage):
         return self.read_range(key, 0, size)
 
     def get_file(self, key: str, local: Path) -> None:
+        _request("get")
         retrying(lambda: self.fs.get_file(self._key(key), str(local)), self.where(key))
 
     def put(self, key: str, data: bytes) -> None:
+        _request("put", len(data))
         retrying(lambda: self.fs.pipe_file(self._key(key), data), self.where(key))
 
     def put_file(self, key: str, local: Path) -> None:
+        _request("put", local.stat().st_size)
         retrying(lambda: self.fs.put_file(str(local), self._key(key)), self.where(key))
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
@@ -335,6 +355,7 @@ class RemoteFile:
     """One remote object read by ranges, shaped as `reader.ShardReader` reads a local file."""
 
     tail_hint = 1 << 20  # the shard's footer and index come in one request (an index is ~100 B per sample)
+    coalesce = True  # a sample's wanted frames in one request (the layers between them ride along)
 
     def __init__(self, storage: Storage, key: str):
         self.storage, self.key = storage, key

@@ -161,4 +161,28 @@ def test_training_from_s3_equals_training_from_disk(s3, tmp_path: Path, monkeypa
         for name in ("run_local", "run_s3")
     ]
     assert losses[0] == losses[1] and len(losses[0]) == 4
+    kept = tmp_path / "kept"  # whole shards kept on local disk: the same batches, later reads local
+    argv = [*_train_argv(f"s3://{bucket}/c", tmp_path / "run_kept"), "--shard-cache-dir", str(kept)]
+    assert train_cli.main([*argv, "--shard-cache-gb", "1"]) == 0
+    assert [r.get("loss") for r in read_metrics(tmp_path / "run_kept") if "loss" in r] == losses[0]
+    (copy,) = kept.iterdir()  # one directory per cache URL
+    assert sorted(p.name for p in (copy / "shards").iterdir()) == sorted(
+        p.name for p in (local / "shards").iterdir()
+    )
     assert train_cli.main(["export", str(tmp_path / "run_s3"), "--out", str(tmp_path / "export")]) == 0
+
+
+def test_shard_file_cache_keeps_at_most_its_bound(
+    remote_cache: str, local_cache: Path, tmp_path: Path
+) -> None:
+    sizes = sorted(p.stat().st_size for p in (local_cache / "shards").iterdir())
+    bound = sizes[-1] + 1  # room for one shard at a time
+    with Cache.open(remote_cache, local_dir=tmp_path / "c", shard_cache_bytes=bound) as cache:
+        rows = [e.row for e in cache.entries()]
+        first = {r: cache.read(r) for r in rows}
+        kept = list((tmp_path / "c" / "shards").iterdir())
+        assert len(kept) == 1 and sum(p.stat().st_size for p in kept) <= bound
+        assert cache._shard_cache.misses == len(cache.shard_names)
+    with Cache.open(local_cache) as plain:
+        for r in rows:
+            assert first[r].input_ids.equal(plain.read(r).input_ids)

@@ -87,6 +87,17 @@ def _train_parser() -> argparse.ArgumentParser:
     data.add_argument("--eval-fraction", type=float, help="fraction of rows held out (hash of the row id)")
     data.add_argument("--eval-rows", help="file of row ids to hold out (JSON list or one per line)")
     data.add_argument("--eval-samples", type=int, help="held-out samples used per evaluation")
+    data.add_argument(
+        "--shard-cache-dir",
+        help="--cache URL only: where its manifest, target/ and downloaded shards are kept "
+        "(default ~/.cache/dflash/remote)",
+    )
+    data.add_argument(
+        "--shard-cache-gb",
+        type=float,
+        help="--cache URL only: keep up to this many GB of whole shards locally, so later epochs read the "
+        "disk (default 0: every read is a range request)",
+    )
     model = p.add_argument_group("drafter")
     model.add_argument("--num-draft-layers", type=int)
     model.add_argument(

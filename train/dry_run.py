@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash.shards import Cache
 from dflash.shards.outdir import check_out_dir
 from dflash.shards.sizes import size_text
 
@@ -49,7 +48,7 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
     out = Path(cfg.out)
     resuming = check_out_dir(out, "run")
     check_resume_rule(cfg)
-    with Cache.open(cfg.cache) as cache:
+    with cfg.open_cache() as cache:
         frozen, drafter_cfg, spec = checked_parts(cfg, cache, StartupClock())
         check_frozen_finite(cache, frozen)
         manifest = cache.manifest
@@ -60,7 +59,7 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
         # `keep_checkpoints` committed, the one being written before the oldest is removed, and RUN/best.
         checkpoints_disk = checkpoint * (cfg.keep_checkpoints + 1) + params * BEST_BYTES_PER_PARAM
         return {
-            "cache": str(cache.path),
+            "cache": cache.location,
             "codec": manifest.codec.get("name"),
             "rows": manifest.rows,
             "tokens": manifest.tokens,

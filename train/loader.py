@@ -306,9 +306,9 @@ class StreamingLoader:
         --on-corrupt skip): the run would end at once and still export an untrained drafter."""
         name, reason = next(iter(self.bad_shards.items()))
         return (
-            f"{self.cache.path}: {len(self.bad_shards)} of {len(self.cache.shard_names)} shards skipped under "
+            f"{self.cache.location}: {len(self.bad_shards)} of {len(self.cache.shard_names)} shards skipped under "
             f"--on-corrupt skip leave nothing to train on (the first, {name}: {reason:.300}); run "
-            f"`dflash-shards verify {self.cache.path}`"
+            f"`dflash-shards verify {self.cache.location}`"
         )
 
     def _copier(self, built: queue.Queue, out: queue.Queue, put, stop: threading.Event) -> None:

@@ -82,7 +82,7 @@ def open_run(cfg: TrainConfig, clock: StartupClock) -> RunParts:
         check_resume_rule(cfg)
         seed_everything(cfg.seed)
     with clock.phase("cache_open"):
-        cache = Cache.open(cfg.cache)
+        cache = cfg.open_cache()
     try:
         frozen, drafter_cfg, spec = checked_parts(cfg, cache, clock)
         frozen = _frozen_on_device(frozen, cache, info.device, clock)

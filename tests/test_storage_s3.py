@@ -101,15 +101,41 @@ def test_unsupported_urls_refused_in_one_line(argv: list[str], capsys, tmp_path:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_wrong_credentials_one_line(s3, remote_cache: str, monkeypatch, capsys, tmp_path: Path) -> None:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "not-a-key")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-123")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    rc = shards_main(["info", remote_cache])
+@pytest.fixture(scope="module")
+def checking_server(tmp_path_factory: pytest.TempPathFactory, local_cache: Path):
+    """A second server that checks credentials, holding one cache's manifest and target/ (no listing: moto
+    5.2's auth refuses its own prefixed listings)."""
+    from tests.common.s3 import S3Server
+
+    server = S3Server.start(tmp_path_factory.mktemp("auth"), auth=True)
+    client = server.client()
+    client.create_bucket(Bucket="guarded")
+    for path in [local_cache / "manifest.json", *(local_cache / "target").iterdir()]:
+        client.upload_file(str(path), "guarded", f"c/{path.relative_to(local_cache).as_posix()}")
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize(
+    ("key", "secret"), [("AKIANOSUCHKEY0000000", "wrong-secret-123"), (None, "wrong-secret-123")]
+)
+def test_wrong_credentials_one_line(
+    checking_server, key, secret, monkeypatch, capsys, tmp_path: Path
+) -> None:
+    for name, value in checking_server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "right"))
+    with Cache.open("s3://guarded/c", require_complete=False) as cache:  # the right key reads it
+        assert cache.manifest.complete
+    if key is not None:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "wrong"))
+    assert shards_main(["info", "s3://guarded/c"]) == 2
     err = capsys.readouterr().err
-    # moto accepts any key unless IAM is on; a real service refuses it: either way no traceback, no secret.
-    assert "wrong-secret-123" not in err and "Traceback" not in err
-    assert rc in (0, 2)
+    assert err.count("\n") == 1 and "access refused by the storage service" in err, err
+    assert "AWS_ACCESS_KEY_ID" in err and secret not in err and "Traceback" not in err
+    assert list((tmp_path / "wrong").rglob("manifest.json")) == []
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ relay the tests can take down and bring back (the server keeps its objects: moto
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -94,7 +95,13 @@ class Relay:
 
 
 class S3Server:
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
+    """moto's S3 server. With `auth` it checks credentials (moto's IAM auth): the first three requests,
+    unauthenticated, make the one user whose key `env` holds; any other key or secret is refused, as a real
+    service refuses it (moto 5.2 then also refuses its own listings with a prefix: use it for reads only)."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path, auth: bool = False):
+        import boto3
+
         self.proc, self.server_port, self.log = proc, port, log
         self.relay = Relay(port)
         self.endpoint = f"http://127.0.0.1:{self.relay.port}"
@@ -105,19 +112,36 @@ class S3Server:
             "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_EC2_METADATA_DISABLED": "true",
         }
+        if not auth:
+            return
+        iam = boto3.client(
+            "iam", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id="setup",
+            aws_secret_access_key="setup",
+        )  # fmt: skip
+        iam.create_user(UserName="dflash-test")
+        key = iam.create_access_key(UserName="dflash-test")["AccessKey"]
+        everything = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
+        }
+        iam.put_user_policy(UserName="dflash-test", PolicyName="all", PolicyDocument=json.dumps(everything))
+        self.env |= {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
 
     @classmethod
-    def start(cls, log_dir: Path) -> S3Server:
+    def start(cls, log_dir: Path, *, auth: bool = False) -> S3Server:
         port = free_port()
         log = log_dir / "moto.log"
+        env = {**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"}
+        if auth:
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
         proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
-            env={**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"},
+            env=env,
         )
         _wait_for_port(port, proc)
-        return cls(proc, port, log)
+        return cls(proc, port, log, auth)
 
     def client(self):  # boto3, for setting up and inspecting buckets
         import boto3

@@ -85,6 +85,33 @@ def measure(cfg: Any, drafter: DrafterConfig, device: torch.device, threads: int
     }
 
 
+def server_ceiling(url: str, threads: int, seconds: float, chunk: int = 1 << 20) -> float:
+    """MB/s the server gives to `threads` readers fetching `chunk`-byte ranges of the shards (no decoding):
+    what bounds the loader when the server, not the loader, is the slow side."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash.shards.storage import open_storage
+
+    storage = open_storage(url)
+    sizes = storage.list_sizes("shards")
+    keys = [(f"shards/{n}", s) for n, s in sorted(sizes.items())]
+    deadline = time.perf_counter() + seconds
+
+    def reader(k: int) -> int:
+        got, i = 0, k
+        while time.perf_counter() < deadline:
+            key, size = keys[i % len(keys)]
+            offset = (i * chunk) % max(size - chunk, 1)
+            got += len(storage.read_range(key, offset, min(chunk, size)))
+            i += threads
+        return got
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(reader, range(threads)))
+    return total / (time.perf_counter() - t0) / 1e6
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="small", help="small: the quality benchmark's")
@@ -126,6 +153,14 @@ def main() -> None:
                 "mean_shard_mb": written["stored_gb"] * 1e3 / shards,
                 "sources": {},
             }
+            if server is not None:
+                row["server_mb_per_s"] = {
+                    int(t): server_ceiling(f"s3://{bucket}/{codec}", int(t), args.seconds / 2)
+                    for t in args.threads.split(",")
+                }
+                print(
+                    f"{codec:>8} server alone (1 MiB range GETs): {row['server_mb_per_s']} MB/s", flush=True
+                )
             for source in args.sources.split(","):
                 location = str(cache) if source == "local" else f"s3://{bucket}/{codec}"
                 overrides: dict[str, Any] = dict(

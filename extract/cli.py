@@ -194,12 +194,13 @@ def run_config(config: ExtractConfig) -> int:
     if config.publish_to is None or RankInfo.from_env().rank != 0:
         run_extraction(config)  # other ranks of an object-storage run write into the staging directory
         return 0
+    note = sys.stderr if config.json else sys.stdout  # --json: stdout holds the one JSON object
     with remote_output(config.publish_to, config.out, PROG) as staged:
         if staged is None:
-            print(f"{config.publish_to} is already a complete cache: nothing to extract")
+            print(f"{config.publish_to} is already a complete cache: nothing to extract", file=note)
             return 0
         run_extraction(config)
-    print(f"published to {config.publish_to} (staged in {config.out})")
+    print(f"published to {config.publish_to} (staged in {config.out})", file=note)
     return 0
 
 

@@ -195,8 +195,8 @@ class Publisher:
         manifest = load_manifest(self.local)
         if manifest.complete and not complete:
             return
+        self.sync_target()  # what the manifest's `target_files` names goes up before it
         if manifest.complete:
-            self.sync_target()
             up = self.storage.list_sizes(SHARDS_DIR)
             wrong = [s.name for s in manifest.shards if up.get(s.name) != s.bytes]
             if wrong:

@@ -11,6 +11,7 @@ readers that use it, exactly as a local cache's are.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -21,7 +22,7 @@ from .manifest import MAX_MANIFEST_BYTES, load_manifest
 from .paths import MANIFEST_NAME, TARGET_DIR
 from .reader import LocalFile, RangeFile
 from .storage import RemoteFile, Storage
-from .target_files import HASH, file_digest
+from .target_files import HASH, file_digest, is_plain_name
 
 
 def default_local_dir(location: str, base: str | os.PathLike | None = None) -> Path:
@@ -54,7 +55,8 @@ def stage_remote(storage: Storage, local_dir: str | os.PathLike | None = None) -
     atomic_write_bytes(local / MANIFEST_NAME, data)
     manifest = load_manifest(local)
     recorded = dict(manifest.target_files)
-    names = set(recorded) or set(storage.list_sizes(TARGET_DIR))
+    # Recorded names are plain file names (`parse_target_files`); listed ones are held to the same rule.
+    names = set(recorded) or {n for n in storage.list_sizes(TARGET_DIR) if is_plain_name(n)}
     target = local / TARGET_DIR
     for name in sorted(names):
         path = target / name
@@ -85,21 +87,30 @@ class ShardFileCache:
         path = self.directory / name
         if size is None or size > self.max_bytes:
             return RemoteFile(storage, key)
-        with self._lock:
+        with self._lock, contextlib.suppress(FileNotFoundError):  # evicted by another process meanwhile
             if path.is_file() and path.stat().st_size == size:
                 os.utime(path)  # most recently used
+                file = LocalFile(path)
                 self.hits += 1
-                return LocalFile(path)
-            self.misses += 1
+                return file
+        self.misses += 1
         self.directory.mkdir(parents=True, exist_ok=True)
         self._make_room(size)
         atomic_write(path, lambda tmp: storage.get_file(key, tmp))
-        return LocalFile(path)
+        try:
+            return LocalFile(path)
+        except FileNotFoundError:  # another process made room by evicting it: read it remotely this time
+            return RemoteFile(storage, key)
 
     def _make_room(self, size: int) -> None:
         with self._lock:
-            files = [p for p in self.directory.iterdir() if p.is_file() and not p.name.startswith(".")]
-            stats = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in files), key=lambda t: t[0])
+            stats = []
+            for p in self.directory.iterdir():
+                with contextlib.suppress(FileNotFoundError):  # another process's eviction
+                    if p.is_file() and not p.name.startswith("."):
+                        st = p.stat()
+                        stats.append((st.st_mtime, st.st_size, p))
+            stats.sort(key=lambda t: t[0])
             total = sum(s for _, s, _ in stats)
             for _, s, p in stats:
                 if total + size <= self.max_bytes:

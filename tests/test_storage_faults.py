@@ -84,7 +84,12 @@ def test_extraction_sigkill_then_resume_equals_uninterrupted(s3, setup: dict, tm
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen([sys.executable, "-c", _EXTRACT_CHILD, json.dumps(spec)], env=env, cwd=REPO)
     try:
-        _wait_for(lambda: any(k.startswith("c/shards/") for k in s3.keys(bucket)) or child.poll() is not None)
+
+        def started() -> bool:
+            keys = s3.keys(bucket)
+            return "c/manifest.json" in keys and any(k.startswith("c/shards/") for k in keys)
+
+        _wait_for(lambda: started() or child.poll() is not None)
         assert child.poll() is None, "finished before the kill"
         child.send_signal(signal.SIGKILL)
         assert child.wait() == -signal.SIGKILL
@@ -98,6 +103,10 @@ def test_extraction_sigkill_then_resume_equals_uninterrupted(s3, setup: dict, tm
         else b"{}"
     )
     assert not json.loads(manifest).get("complete")
+    with Cache.open(url, require_complete=False, local_dir=tmp_path / "midway") as cache:  # readable as it is
+        assert cache.shard_names and verify_cache(cache).lines() == [
+            f"{url}: cache is incomplete (manifest complete=false): extraction unfinished"
+        ]
     from dflash.extract.cli import run_config
 
     assert run_config(make_config(**{**spec, "unit_bytes": UNIT_BYTES})) == 0  # the same command again

@@ -60,7 +60,7 @@ def test_extract_verify_convert_train_export_on_s3(s3, inputs, tmp_path: Path, c
     assert train_main(["export", str(run), "--out", str(tmp_path / "export")]) == 0
     # A re-run of the same command on the complete prefix does nothing and says so.
     assert extract_main(extract_argv(inputs, url, tmp_path / "other-stage")) == 0
-    assert "already a complete cache" in capsys.readouterr().out
+    assert "already a complete cache" in capsys.readouterr().err  # --json: stdout stays JSON
 
 
 def test_second_writer_is_refused_in_one_line(s3, inputs, tmp_path: Path, capsys) -> None:

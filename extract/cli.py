@@ -186,7 +186,7 @@ def run_config(config: ExtractConfig) -> int:
 
         run_dry_run(config)
         return 0
-    from dflash.shards.publish import remote_output
+    from dflash.shards.publish import remote_output, retried_text
 
     from .pipeline import run_extraction  # torch + transformers: imported only for a real run
     from .units import RankInfo
@@ -200,7 +200,7 @@ def run_config(config: ExtractConfig) -> int:
             print(f"{config.publish_to} is already a complete cache: nothing to extract", file=note)
             return 0
         run_extraction(config)
-    print(f"published to {config.publish_to} (staged in {config.out})", file=note)
+    print(f"published to {config.publish_to} (staged in {config.out}){retried_text()}", file=note)
     return 0
 
 

@@ -9,7 +9,8 @@ by object with the cache contract kept (`remote_output`, used by `dflash-extract
 - One writer per prefix: `.lock` is created with `If-None-Match: *` (`Storage.create_exclusive`); a second
   writer is refused naming the holder. The holder renews it (`renewed`) every `LEASE_RENEW_S`; a lock not
   renewed for `LEASE_TTL_S`, or held by a process of this host that no longer runs (a killed writer), is
-  taken over.
+  taken over. Takeovers and renewals replace only the version they read (`If-Match`): two writers taking
+  over one stale lock cannot both win, and a writer whose lock was taken over stops publishing.
 - A shard object is uploaded only once its local file is committed (renamed), and an object PUT is atomic:
   no reader ever sees part of a shard. Shards are uploaded while the writer works (`Publisher`, a thread).
 - `manifest.json` is uploaded complete only after a listing shows every shard it names at its recorded size;
@@ -39,7 +40,7 @@ from .outdir import MARK_NAME
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR, TARGET_DIR, committed_shard_names
 from .remote_cache import default_local_dir
 from .safe_io import load_json
-from .storage import Storage, open_storage
+from .storage import Storage, open_storage, transient_counts
 
 log = logging.getLogger(__name__)
 LEASE_TTL_S = 300.0
@@ -70,16 +71,21 @@ class RemoteLock:
         self.info = {"host": socket.gethostname(), "pid": os.getpid(), "what": what, "started": time.time()}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._etag: str | None = None  # the version of `.lock` this writer last wrote
+        self.lost = False  # another writer took the lock over (this one was not renewed in time)
 
     def _body(self) -> bytes:
         return json.dumps({**self.info, "renewed": time.time()}).encode()
 
-    def _holder(self) -> dict[str, Any]:
+    def _holder(self) -> tuple[dict[str, Any], str | None]:
+        """The lock's content and the version it was read at (taken first: a takeover replaces that version
+        only, so two writers taking over one stale lock cannot both win)."""
+        etag = self.storage.etag(LOCK_NAME)
         try:
             d = load_json(self.storage.read_all(LOCK_NAME, 1 << 16), self.storage.where(LOCK_NAME))
         except (FileNotFoundError, ShardError):
-            return {}
-        return d if isinstance(d, dict) else {}
+            d = {}
+        return (d if isinstance(d, dict) else {}), etag
 
     def _stale(self, holder: dict[str, Any]) -> str | None:
         renewed = holder.get("renewed")
@@ -93,14 +99,20 @@ class RemoteLock:
                 return "run in this process ended without releasing it"
         return None
 
+    def _held(self) -> RemoteLock:
+        self._etag = self.storage.etag(LOCK_NAME)
+        _HELD.add(self.info["started"])
+        self._thread = threading.Thread(target=self._renew, name="dflash-lease", daemon=True)
+        self._thread.start()
+        return self
+
     def acquire(self) -> RemoteLock:
         for _ in range(3):
             if self.storage.create_exclusive(LOCK_NAME, self._body()):
-                _HELD.add(self.info["started"])
-                self._thread = threading.Thread(target=self._renew, name="dflash-lease", daemon=True)
-                self._thread.start()
-                return self
-            holder = self._holder()
+                return self._held()
+            holder, etag = self._holder()
+            if etag is None:  # released meanwhile: try to create it again
+                continue
             why = self._stale(holder) if holder else "unreadable"
             if why is None:
                 raise PrefixLocked(
@@ -109,14 +121,29 @@ class RemoteLock:
                     "renewed "
                     f"{time.time() - holder['renewed']:.0f} s ago): wait for it to finish or choose another --out"
                 )
-            log.warning("taking over the lock of %s: its holder's %s", self.storage.location, why)
-            self.storage.delete(LOCK_NAME)
+            if self.storage.replace_if(LOCK_NAME, self._body(), etag):  # only the version judged stale
+                log.warning("took over the lock of %s: its holder's %s", self.storage.location, why)
+                return self._held()
         raise PrefixLocked(f"{self.storage.where(LOCK_NAME)}: another writer keeps taking the lock")
 
     def _renew(self) -> None:
         while not self._stop.wait(LEASE_RENEW_S):
-            with contextlib.suppress(OSError):  # a missed renewal is retried at the next tick
-                self.storage.put(LOCK_NAME, self._body())
+            try:  # only the version this writer wrote: a lock taken over meanwhile is not overwritten
+                if self._etag is None or not self.storage.replace_if(LOCK_NAME, self._body(), self._etag):
+                    self.lost = True
+                    log.error("lost the lock of %s to another writer", self.storage.location)
+                    return
+                self._etag = self.storage.etag(LOCK_NAME)
+            except OSError:  # unreachable for now: retried at the next tick
+                continue
+
+    def check(self) -> None:
+        """Refuse to publish a manifest once another writer has taken the prefix over."""
+        if self.lost:
+            raise PrefixLocked(
+                f"{self.storage.location}: another writer took the lock over while this one ran (not renewed "
+                f"for {LEASE_TTL_S:.0f} s); nothing more was published: re-run the same command"
+            )
 
     def release(self) -> None:
         _HELD.discard(self.info["started"])
@@ -124,8 +151,9 @@ class RemoteLock:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            with contextlib.suppress(OSError):
-                self.storage.delete(LOCK_NAME)
+            if not self.lost:
+                with contextlib.suppress(OSError):
+                    self.storage.delete(LOCK_NAME)
 
 
 class Publisher:
@@ -230,6 +258,15 @@ def _hydrate(storage: Storage, local: Path) -> bool:
     return False
 
 
+def retried_text() -> str:
+    """'; N requests retried (kind: n, ...)' once any remote request was retried, else ''."""
+    counts = transient_counts()
+    if not counts:
+        return ""
+    kinds = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()) if k != "retries")
+    return f"; {counts['retries']} requests retried ({kinds})"
+
+
 def default_stage_dir(url: str) -> Path:
     return default_local_dir(url).with_name(default_local_dir(url).name + "-stage")
 
@@ -251,12 +288,14 @@ def remote_output(url: str, stage_dir: str | os.PathLike | None, what: str) -> I
             storage.put(MARK_NAME, json.dumps({"kind": "cache"}).encode() + b"\n")
         publisher.start()
         yield local
+        lock.check()
         publisher.finish()
     except BaseException:
         publisher.stop()
-        with contextlib.suppress(Exception):  # keep what was committed: the re-run uploads the rest
-            publisher.sync_shards()
-            publisher.sync_manifest()
+        if not lock.lost:
+            with contextlib.suppress(Exception):  # keep what was committed: the re-run uploads the rest
+                publisher.sync_shards()
+                publisher.sync_manifest(complete=False)
         raise
     finally:
         lock.release()

@@ -187,6 +187,14 @@ class Storage:
         """Create the object only if no object has the key; False when one does (another writer's lock)."""
         raise NotImplementedError
 
+    def etag(self, key: str) -> str | None:
+        """The object's version tag (changes whenever it is rewritten), None when there is none."""
+        raise NotImplementedError
+
+    def replace_if(self, key: str, data: bytes, etag: str) -> bool:
+        """Replace the object only if it is still the version `etag` (`If-Match`); False when it is not."""
+        raise NotImplementedError
+
     def delete(self, key: str) -> None:
         raise NotImplementedError
 
@@ -334,6 +342,31 @@ class RemoteStorage(Storage):
             return True
 
         return retrying(create, self.where(key))
+
+    def etag(self, key: str) -> str | None:
+        def tag() -> str | None:
+            try:
+                return self.fs.info(self._key(key), refresh=True).get("ETag")
+            except FileNotFoundError:
+                return None
+
+        _request("head")
+        return retrying(tag, self.where(key))
+
+    def replace_if(self, key: str, data: bytes, etag: str) -> bool:
+        def replace() -> bool:
+            try:
+                self.fs.pipe_file(self._key(key), data, IfMatch=etag)
+            except (FileNotFoundError, FileExistsError):
+                return False
+            except OSError as exc:  # s3fs: EINVAL "At least one of the pre-conditions ... did not hold"
+                if exc.errno == errno.EINVAL or "pre-condition" in str(exc):
+                    return False
+                raise
+            return True
+
+        _request("put", len(data))
+        return retrying(replace, self.where(key))
 
     def delete(self, key: str) -> None:
         def remove() -> None:

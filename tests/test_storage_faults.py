@@ -143,7 +143,9 @@ def test_resume_on_another_node_without_the_staging_directory(s3, setup: dict, t
         run_config(changed)
 
 
-def test_server_gone_mid_upload_is_retried_and_counted(s3, setup: dict, tmp_path: Path, monkeypatch) -> None:
+def test_server_gone_mid_upload_is_retried_and_counted(
+    s3, setup: dict, tmp_path: Path, monkeypatch, capsys
+) -> None:
     """A short outage after the first shard object: every request retried with backoff, the run completes."""
     from dflash.extract import stages
     from dflash.extract.cli import run_config
@@ -162,8 +164,10 @@ def test_server_gone_mid_upload_is_retried_and_counted(s3, setup: dict, tmp_path
 
     cut = threading.Thread(target=outage)
     cut.start()
-    assert run_config(make_config(**{**_spec(setup, url, tmp_path / "stage"), "unit_bytes": UNIT_BYTES})) == 0
+    config = make_config(**{**_spec(setup, url, tmp_path / "stage"), "unit_bytes": UNIT_BYTES, "json": False})
+    assert run_config(config) == 0
     cut.join()
+    assert "requests retried (connection: " in capsys.readouterr().out
     assert transient_counts().get("retries", 0) > before
     assert _remote_shards(url, tmp_path / "read") == shard_bytes(setup["reference"])
 

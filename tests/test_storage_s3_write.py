@@ -120,3 +120,40 @@ def test_shards_go_up_before_the_manifest_names_them(s3, inputs, tmp_path: Path,
     assert seen and seen[-1] == "complete"
     with Cache.open(f"s3://{bucket}/c", local_dir=tmp_path / "read") as cache:
         assert cache.manifest.complete and cache.shard_file_problems() == {}
+
+
+def test_takeover_replaces_only_the_version_judged_stale_and_a_robbed_writer_stops(s3, monkeypatch) -> None:
+    import socket
+    import time
+
+    from dflash.shards import publish
+    from dflash.shards.publish import PrefixLocked, RemoteLock
+    from dflash.shards.storage import open_storage
+
+    storage = open_storage(f"s3://{s3.new_bucket()}/c")
+    stale = {"host": "elsewhere", "pid": 1, "what": "old", "started": 0, "renewed": time.time() - 3600}
+    storage.put(".lock", json.dumps(stale).encode())
+    old = storage.etag(".lock")
+    winner = RemoteLock(storage, "winner").acquire()
+    assert not storage.replace_if(".lock", b"{}", old)  # a second taker holding the old version loses
+    with pytest.raises(PrefixLocked, match="being written by another process"):
+        RemoteLock(storage, "second").acquire()  # the winner's lock is fresh and its process runs
+    # The winner's lease is taken over behind its back (as after a long pause): its next renewal sees it.
+    monkeypatch.setattr(publish, "LEASE_RENEW_S", 0.05)
+    winner._stop.set()
+    winner._thread.join()
+    winner._stop.clear()
+    thief = {
+        "host": socket.gethostname() + "-other",
+        "pid": 2,
+        "what": "thief",
+        "started": 1,
+        "renewed": time.time(),
+    }
+    storage.put(".lock", json.dumps(thief).encode())
+    winner._renew()
+    assert winner.lost
+    with pytest.raises(PrefixLocked, match="took the lock over"):
+        winner.check()
+    winner.release()
+    assert json.loads(storage.read_all(".lock", 4096))["what"] == "thief"  # the thief's lock is left alone

@@ -25,7 +25,7 @@ from dflash.shards.cache import Cache
 from dflash.shards.cli import run_main
 from dflash.shards.codecs import codec_names
 from dflash.shards.convert import ConvertConfig, convert_cache
-from dflash.shards.publish import remote_output
+from dflash.shards.publish import remote_output, retried_text
 from dflash.shards.summary import cache_info, cache_stats, sample_report, shard_list
 from dflash.shards.urls import check_url, is_url, local_path
 from dflash.shards.verify import verify_cache
@@ -136,6 +136,8 @@ def _convert(args: argparse.Namespace) -> int:
             )
             d = convert_cache(config).to_dict()
         d["out"] = args.out
+        if retried_text():
+            print(f"{PROG}: note: {retried_text().lstrip('; ')}", file=sys.stderr)
     else:
         config = ConvertConfig(
             source=args.cache, out=args.out, codec=args.codec, threads=args.threads, device=args.device

@@ -195,7 +195,8 @@ def run_config(config: ExtractConfig) -> int:
         run_extraction(config)  # other ranks of an object-storage run write into the staging directory
         return 0
     note = sys.stderr if config.json else sys.stdout  # --json: stdout holds the one JSON object
-    with remote_output(config.publish_to, config.out, PROG) as staged:
+    # Staging keeps only shards not yet uploaded: extraction reads committed ones through shards/published.py.
+    with remote_output(config.publish_to, config.out, PROG, keep_local=False) as staged:
         if staged is None:
             print(f"{config.publish_to} is already a complete cache: nothing to extract", file=note)
             return 0

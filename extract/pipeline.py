@@ -29,6 +29,7 @@ from dflash.shards.locks import remove_stale_temp_files
 from dflash.shards.manifest import Manifest, ShardInfo, save_manifest
 from dflash.shards.outdir import claim_out_dir
 from dflash.shards.paths import MANIFEST_NAME, shard_name, shard_path
+from dflash.shards.published import published_shards
 from dflash.shards.threads import keep_own_threads, one_torch_thread
 from dflash.shards.writer import ShardMeta
 
@@ -106,9 +107,14 @@ def _prepare(config: ExtractConfig, rank: RankInfo) -> _Setup:
     return _Setup(config, rank, device, dtype, run, codec, manifest, meta)
 
 
+STAGED_UNITS = 4  # shards a publishing run's staging directory holds at most, with room to spare
+
+
 def _check_disk(s: _Setup, committed: set[int]) -> None:
     out = s.config.out
-    need = sum(u.est_bytes for u in s.units if u.index not in committed)
+    left = sorted((u.est_bytes for u in s.units if u.index not in committed), reverse=True)
+    # Published to object storage, the staging directory holds only the shards in flight or awaiting upload.
+    need = sum(left[:STAGED_UNITS] if s.config.publish_to else left)
     free = shutil.disk_usage(out).free
     if need > free and not s.config.force:
         raise ValueError(
@@ -227,8 +233,14 @@ def _finalize(s: _Setup) -> Manifest:
 
     infos: list[ShardInfo] = []
     nonfinite: list[dict[str, Any]] = []
+    published = published_shards(s.config.out)  # uploaded to object storage and deleted here
     for u in range(len(s.units)):
-        with ShardReader.open(shard_path(s.config.out, shard_name(u))) as r:
+        name = shard_name(u)
+        if name in published:
+            infos.append(published[name]["info"])
+            nonfinite.extend(published[name]["skipped"])
+            continue
+        with ShardReader.open(shard_path(s.config.out, name)) as r:
             infos.append(r.info())
             nonfinite.extend(skipped_in_shard(r))
     if not sum(i.rows for i in infos) and not s.config.allow_empty:

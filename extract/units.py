@@ -37,6 +37,7 @@ from dflash.shards.paths import (
     shard_path,
     unit_of_shard,
 )
+from dflash.shards.published import published_shards
 from dflash.shards.safe_io import load_json, read_regular
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,10 @@ def reopen_for_lost_shards(cache_dir: Path, manifest: Manifest) -> Manifest:
     from dflash.shards.cache import shard_file_problems
     from dflash.shards.reader import ShardReader
 
-    problems = shard_file_problems(cache_dir, manifest.shards)
+    published = published_shards(cache_dir)  # uploaded and deleted here on purpose (an object-storage run)
+    problems = {
+        n: p for n, p in shard_file_problems(cache_dir, manifest.shards).items() if n not in published
+    }
     if not problems:
         return manifest
     for name, problem in problems.items():
@@ -225,8 +229,9 @@ def drop_unreadable_shards(cache_dir: Path, committed: set[int]) -> set[int]:
     from dflash.shards.reader import ShardReader
 
     raise_if_not_ours(cache_dir, "cache")
-    good = set()
-    for u in sorted(committed):
+    published = published_shards(cache_dir)
+    good = {u for u in committed if shard_name(u) in published}  # whole in object storage, gone from here
+    for u in sorted(committed - good):
         path = shard_path(cache_dir, shard_name(u))
         try:
             ShardReader.open(path).close()

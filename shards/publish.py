@@ -37,10 +37,12 @@ from typing import Any
 from .errors import ShardError
 from .manifest import load_manifest
 from .outdir import MARK_NAME
-from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR, TARGET_DIR, committed_shard_names
-from .remote_cache import default_local_dir
+from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR, TARGET_DIR, committed_shard_names, unit_of_shard
+from .published import published_shards, record_published
+from .reader import ShardReader
+from .remote_cache import default_local_dir, stage_remote
 from .safe_io import load_json
-from .storage import Storage, open_storage, transient_counts
+from .storage import RemoteFile, Storage, open_storage, transient_counts
 
 log = logging.getLogger(__name__)
 LEASE_TTL_S = 300.0
@@ -159,8 +161,8 @@ class RemoteLock:
 class Publisher:
     """Uploads a staging directory's committed shards and target/ to `storage`; manifest last (`finish`)."""
 
-    def __init__(self, storage: Storage, local: Path):
-        self.storage, self.local = storage, local
+    def __init__(self, storage: Storage, local: Path, keep_local: bool = True):
+        self.storage, self.local, self.keep_local = storage, local, keep_local
         self.uploaded: dict[str, int] = {}  # shard name -> size, objects known to be up
         self.target_done = False
         self.manifest_sent: bytes | None = None
@@ -190,16 +192,24 @@ class Publisher:
             self._thread = None
 
     def sync_shards(self) -> int:
-        """Upload every committed local shard whose object is missing or of another size; returns how many."""
+        """Upload every committed local shard whose object is missing or of another size; returns how many.
+        Without `keep_local`, each uploaded shard is recorded (`published.py`) and its local file deleted."""
         sent = 0
+        published = set() if self.keep_local else set(published_shards(self.local))
         for name in committed_shard_names(self.local):
             path = self.local / SHARDS_DIR / name
-            size = path.stat().st_size
-            if self.uploaded.get(name) == size:
+            if name in published or not path.is_file():
                 continue
-            self.storage.put_file(f"{SHARDS_DIR}/{name}", path)
-            self.uploaded[name] = size
-            sent += 1
+            size = path.stat().st_size
+            if self.uploaded.get(name) != size:
+                self.storage.put_file(f"{SHARDS_DIR}/{name}", path)
+                self.uploaded[name] = size
+                sent += 1
+            if not self.keep_local:
+                with ShardReader.open(path) as reader:
+                    info, skipped = reader.info(), reader.meta.get("skipped", [])
+                record_published(self.local, name, info, skipped if isinstance(skipped, list) else [])
+                path.unlink()
         return sent
 
     def sync_target(self) -> None:
@@ -242,19 +252,32 @@ class Publisher:
         self.sync_manifest()
 
 
-def _hydrate(storage: Storage, local: Path) -> bool:
+def _hydrate(storage: Storage, local: Path, keep_local: bool) -> bool:
     """A staging directory without a manifest gets the prefix's manifest and target/ (a resume elsewhere), so
-    the writer checks its settings against the cache's instead of starting another one over it. True when
-    the prefix already holds a complete cache (nothing to write)."""
+    the writer checks its settings against the cache's instead of starting another one over it; without
+    `keep_local`, every shard object up there is recorded as published (its footer and index read and
+    checked: 3 requests), so the writer does not redo it. True when the prefix already holds a complete cache
+    (nothing to write)."""
     if (local / MANIFEST_NAME).exists() or storage.size(MANIFEST_NAME) is None:
         return False
-    from .remote_cache import stage_remote
-
     stage_remote(storage, local)
     if load_manifest(local).complete:
         return True
     with contextlib.suppress(FileExistsError):
         (local / MARK_NAME).write_text(json.dumps({"kind": "cache"}) + "\n")
+    if not keep_local:
+        for name in sorted(storage.list_sizes(SHARDS_DIR)):
+            if unit_of_shard(name) is None:
+                continue
+            key = f"{SHARDS_DIR}/{name}"
+            try:
+                reader = ShardReader.open_file(RemoteFile(storage, key), storage.where(key), name=name)
+            except ShardError as exc:  # not a whole shard: the writer redoes its unit and replaces it
+                log.warning("%s: %s; its unit is extracted again", storage.where(key), exc)
+                continue
+            with reader:
+                skipped = reader.meta.get("skipped", [])
+                record_published(local, name, reader.info(), skipped if isinstance(skipped, list) else [])
     return False
 
 
@@ -272,16 +295,20 @@ def default_stage_dir(url: str) -> Path:
 
 
 @contextlib.contextmanager
-def remote_output(url: str, stage_dir: str | os.PathLike | None, what: str) -> Iterator[Path | None]:
+def remote_output(
+    url: str, stage_dir: str | os.PathLike | None, what: str, *, keep_local: bool = True
+) -> Iterator[Path | None]:
     """A local directory to write a cache into, published to `url` as it is written (None: `url` already holds
-    a complete cache, nothing to do); see the module docstring."""
+    a complete cache, nothing to do); see the module docstring. Without `keep_local` the staging directory
+    keeps only shards not yet uploaded (the writer must read committed shards through `published.py`, as
+    extraction does)."""
     storage = open_storage(url)
     local = Path(stage_dir) if stage_dir else default_stage_dir(storage.location)
     local.parent.mkdir(parents=True, exist_ok=True)
     lock = RemoteLock(storage, what).acquire()
-    publisher = Publisher(storage, local)
+    publisher = Publisher(storage, local, keep_local)
     try:
-        if _hydrate(storage, local):
+        if _hydrate(storage, local, keep_local):
             yield None
             return
         if storage.size(MARK_NAME) is None:

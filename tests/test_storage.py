@@ -101,3 +101,26 @@ def test_local_storage_is_atomic_and_exclusive(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "shards").iterdir()] == ["x"]  # no temp file left behind
     store.delete("shards/x")
     assert store.size("shards/x") is None and store.list_sizes("nothing") == {}
+
+
+def test_published_ledger_survives_a_line_cut_short(tmp_path: Path) -> None:
+    from dflash.shards.manifest import ShardInfo
+    from dflash.shards.paths import committed_shard_names
+    from dflash.shards.published import LEDGER_NAME, published_shards, record_published
+
+    def info(unit: int) -> ShardInfo:
+        return ShardInfo(
+            name=f"shard-{unit:06d}.dfs", rows=2, tokens=9, bytes=100 + unit, index_checksum="0" * 16
+        )
+
+    record_published(tmp_path, "shard-000000.dfs", info(0), [{"row": 4, "reason": "nonfinite"}])
+    with open(tmp_path / LEDGER_NAME, "ab") as f:
+        f.write(b'{"name": "shard-000001.dfs", "info": {"na')  # a crash in the middle of an append
+    record_published(tmp_path, "shard-000002.dfs", info(2), [])
+    got = published_shards(tmp_path)
+    assert sorted(got) == ["shard-000000.dfs", "shard-000002.dfs"]
+    assert got["shard-000000.dfs"]["skipped"] == [{"row": 4, "reason": "nonfinite"}]
+    assert got["shard-000002.dfs"]["info"].bytes == 102
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "shard-000001.dfs").write_bytes(b"x")
+    assert committed_shard_names(tmp_path) == ["shard-000000.dfs", "shard-000001.dfs", "shard-000002.dfs"]

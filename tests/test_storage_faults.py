@@ -114,8 +114,11 @@ def test_extraction_sigkill_then_resume_equals_uninterrupted(s3, setup: dict, tm
     assert "c/.lock" not in s3.keys(bucket)
 
 
-def test_resume_on_another_node_without_the_staging_directory(s3, setup: dict, tmp_path: Path) -> None:
-    """The killed writer's staging directory is gone (another node): the remote manifest is the reference."""
+def test_resume_on_another_node_without_the_staging_directory(
+    s3, setup: dict, tmp_path: Path, capsys
+) -> None:
+    """The killed writer's staging directory is gone (another node): the shards up there are kept (read back
+    through their indexes), only the missing one is extracted again."""
     from dflash.extract.cli import run_config
 
     bucket = s3.new_bucket()
@@ -131,7 +134,9 @@ def test_resume_on_another_node_without_the_staging_directory(s3, setup: dict, t
     )
     s3.client().delete_object(Bucket=bucket, Key="c/shards/shard-000001.dfs")
     other = make_config(**{**_spec(setup, url, tmp_path / "stage-b"), "unit_bytes": UNIT_BYTES})
+    capsys.readouterr()
     assert run_config(other) == 0
+    assert json.loads(capsys.readouterr().out)["units_done"] == 1
     assert _remote_shards(url, tmp_path / "read") == shard_bytes(setup["reference"])
     changed = make_config(
         **{**_spec(setup, url, tmp_path / "stage-c"), "unit_bytes": UNIT_BYTES, "max_len": 16}

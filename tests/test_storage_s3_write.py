@@ -45,6 +45,7 @@ def test_extract_verify_convert_train_export_on_s3(s3, inputs, tmp_path: Path, c
     for shard in manifest["shards"]:
         assert keys[f"caches/lossless/shards/{shard['name']}"] == shard["bytes"]
     assert "caches/lossless/.lock" not in keys and "caches/lossless/target/frozen.safetensors" in keys
+    assert list((tmp_path / "stage" / "shards").glob("shard-*")) == []  # staging keeps no uploaded shard
     assert not Path("s3:").exists()
     capsys.readouterr()
     assert shards_main(["verify", url]) == 0

@@ -11,8 +11,7 @@ from typing import Literal
 
 from dflash.shards.codec_costs import CODEC_COSTS
 from dflash.shards.layers import capture_layer_ids, check_layer_ids
-from dflash.shards.publish import default_stage_dir
-from dflash.shards.urls import check_url, is_url, local_path
+from dflash.shards.urls import check_url, default_stage_dir, is_url, local_path
 
 CODECS = tuple(CODEC_COSTS)  # every codec of shards/codecs.py, without importing torch
 OVERLONG_POLICIES = ("truncate", "skip")

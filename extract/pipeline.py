@@ -236,13 +236,18 @@ def _finalize(s: _Setup) -> Manifest:
     published = published_shards(s.config.out)  # uploaded to object storage and deleted here
     for u in range(len(s.units)):
         name = shard_name(u)
-        if name in published:
-            infos.append(published[name]["info"])
-            nonfinite.extend(published[name]["skipped"])
-            continue
-        with ShardReader.open(shard_path(s.config.out, name)) as r:
-            infos.append(r.info())
-            nonfinite.extend(skipped_in_shard(r))
+        if name not in published:
+            try:
+                with ShardReader.open(shard_path(s.config.out, name)) as r:
+                    infos.append(r.info())
+                    nonfinite.extend(skipped_in_shard(r))
+                continue
+            except FileNotFoundError:  # uploaded and deleted since the record was read
+                published = published_shards(s.config.out)
+                if name not in published:
+                    raise
+        infos.append(published[name]["info"])
+        nonfinite.extend(published[name]["skipped"])
     if not sum(i.rows for i in infos) and not s.config.allow_empty:
         raise ValueError(
             f"{s.config.out}: every row was skipped ({len(nonfinite)} for non-finite hidden states), the "

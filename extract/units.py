@@ -236,6 +236,9 @@ def drop_unreadable_shards(cache_dir: Path, committed: set[int]) -> set[int]:
         try:
             ShardReader.open(path).close()
             good.add(u)
+        except FileNotFoundError:  # uploaded to object storage and deleted meanwhile: recorded since
+            if path.name in published_shards(cache_dir):
+                good.add(u)
         except (ShardError, OSError) as exc:
             log.warning("removing unreadable shard %s (%s); its unit is redone", path.name, exc)
             path.unlink(missing_ok=True)

@@ -19,9 +19,9 @@ from .errors import DuplicateRows, ShardError
 from .manifest import Manifest, ShardInfo, load_manifest
 from .paths import SHARDS_DIR, unit_of_shard
 from .reader import Sample, ShardReader
-from .remote_cache import ShardFileCache, stage_remote
+from .remote_cache import RemoteFile, ShardFileCache, stage_remote
 from .row_ledger import RowLedger, suspect_repeated_rows
-from .storage import RemoteFile, Storage, open_storage
+from .storage import Storage, open_storage
 from .trust import ReadLimits, check_manifest_for_reading, check_shard_identity, check_shard_layout
 from .urls import is_url
 

@@ -40,9 +40,10 @@ from .outdir import MARK_NAME
 from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR, TARGET_DIR, committed_shard_names, unit_of_shard
 from .published import published_shards, record_published
 from .reader import ShardReader
-from .remote_cache import default_local_dir, stage_remote
+from .remote_cache import RemoteFile, stage_remote
 from .safe_io import load_json
-from .storage import RemoteFile, Storage, open_storage, transient_counts
+from .storage import Storage, open_storage, transient_counts
+from .urls import default_stage_dir
 
 log = logging.getLogger(__name__)
 LEASE_TTL_S = 300.0
@@ -288,10 +289,6 @@ def retried_text() -> str:
         return ""
     kinds = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()) if k != "retries")
     return f"; {counts['retries']} requests retried ({kinds})"
-
-
-def default_stage_dir(url: str) -> Path:
-    return default_local_dir(url).with_name(default_local_dir(url).name + "-stage")
 
 
 @contextlib.contextmanager

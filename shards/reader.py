@@ -2,7 +2,7 @@
 cache directory of them is `cache.Cache`).
 
 Every read is an `os.pread` on a shared descriptor (no file position), or a range request on object storage
-(`storage.RemoteFile`), so readers are safe to share between threads; decompression releases the GIL, so N
+(`remote_cache.RemoteFile`), so readers are safe to share between threads; decompression releases the GIL, so N
 threads decode on ~N cores.
 """
 
@@ -81,7 +81,7 @@ class LocalFile:
 
 
 class RangeFile(Protocol):
-    """What a shard is read through: a local file (`LocalFile`) or an object (`storage.RemoteFile`)."""
+    """What a shard is read through: a local file (`LocalFile`) or an object (`remote_cache.RemoteFile`)."""
 
     size: int
 

@@ -12,25 +12,47 @@ readers that use it, exactly as a local cache's are.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 from pathlib import Path
 
 from .atomic import atomic_write, atomic_write_bytes
+from .errors import ShardError
 from .manifest import MAX_MANIFEST_BYTES, load_manifest
 from .paths import MANIFEST_NAME, TARGET_DIR
 from .reader import LocalFile, RangeFile
-from .storage import RemoteFile, Storage
+from .storage import Storage
 from .target_files import HASH, file_digest, is_plain_name
+from .urls import default_local_dir
 
 
-def default_local_dir(location: str, base: str | os.PathLike | None = None) -> Path:
-    """One directory per cache URL under `base` (default `$XDG_CACHE_HOME/dflash/remote`), named by a hash:
-    the URL never becomes a path, and two caches never share one (their shard names are the same)."""
-    if base is None:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash" / "remote"
-    return Path(base) / hashlib.sha256(location.encode()).hexdigest()[:20]
+class RemoteFile:
+    """One remote object read by ranges, shaped as `reader.ShardReader` reads a local file."""
+
+    tail_hint = 1 << 20  # the shard's footer and index come in one request (an index is ~100 B per sample)
+    coalesce = True  # a sample's wanted frames in one request (the layers between them ride along)
+
+    def __init__(self, storage: Storage, key: str):
+        self.storage, self.key = storage, key
+        size = storage.size(key)
+        if size is None:
+            raise FileNotFoundError(f"{storage.where(key)}: not found")
+        self.size = size
+
+    def pread(self, size: int, offset: int) -> bytes:
+        data = self.storage.read_range(self.key, offset, size)
+        if len(data) != size:
+            raise ShardError(
+                f"{self.storage.where(self.key)}: wanted {size} bytes at offset {offset}, got {len(data)}: "
+                "truncated"
+            )
+        return data
+
+    def advise_sequential(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _matches(path: Path, record: dict) -> bool:

@@ -382,32 +382,3 @@ def open_storage(location: str | os.PathLike) -> Storage:
     if is_url(text) and scheme(text) != "file":
         return RemoteStorage(text)
     return LocalStorage(local_path(text, "the location") if is_url(text) else Path(location))
-
-
-class RemoteFile:
-    """One remote object read by ranges, shaped as `reader.ShardReader` reads a local file."""
-
-    tail_hint = 1 << 20  # the shard's footer and index come in one request (an index is ~100 B per sample)
-    coalesce = True  # a sample's wanted frames in one request (the layers between them ride along)
-
-    def __init__(self, storage: Storage, key: str):
-        self.storage, self.key = storage, key
-        size = storage.size(key)
-        if size is None:
-            raise FileNotFoundError(f"{storage.where(key)}: not found")
-        self.size = size
-
-    def pread(self, size: int, offset: int) -> bytes:
-        data = self.storage.read_range(self.key, offset, size)
-        if len(data) != size:
-            raise ShardError(
-                f"{self.storage.where(self.key)}: wanted {size} bytes at offset {offset}, got {len(data)}: "
-                "truncated"
-            )
-        return data
-
-    def advise_sequential(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

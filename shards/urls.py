@@ -4,11 +4,13 @@
     check_url(url, flag)      the URL when fsspec can serve it (s3fs for s3://), else one line (ValueError)
     local_path(text, flag)    a local path; a URL (file:// aside) refused in one line, so no folder named
                               `s3:` is ever created by a command that takes only paths
+    default_local_dir(url)    where a remote cache's local copies go; default_stage_dir: where one is built
 A URL that carries credentials (`s3://key:secret@bucket`) is refused: they would be printed and recorded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -66,3 +68,15 @@ def local_path(text: str | os.PathLike, flag: str) -> Path:
             f"{flag} {url}: takes a local path, not a URL (object storage is not supported here)"
         )
     return Path(text)
+
+
+def default_local_dir(location: str, base: str | os.PathLike | None = None) -> Path:
+    """One directory per cache URL under `base` (default `$XDG_CACHE_HOME/dflash/remote`), named by a hash:
+    the URL never becomes a path, and two caches never share one (their shard names are the same)."""
+    if base is None:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash" / "remote"
+    return Path(base) / hashlib.sha256(location.encode()).hexdigest()[:20]
+
+
+def default_stage_dir(url: str) -> Path:
+    return default_local_dir(url).with_name(default_local_dir(url).name + "-stage")

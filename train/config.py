@@ -19,7 +19,7 @@ from typing import Any
 from dflash.shards.errors import ShardError
 from dflash.shards.layers import check_layer_ids
 from dflash.shards.safe_io import load_json, read_regular
-from dflash.shards.urls import check_url, is_url, local_path
+from dflash.shards.urls import check_url, default_local_dir, is_url, local_path
 
 ON_CORRUPT_CHOICES = ("skip", "fail")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -194,7 +194,6 @@ class TrainConfig:
     def open_cache(self, **kwargs: Any) -> Any:
         """`Cache.open` of `cache` with the run's local copies of a remote cache (`shard_cache_*`)."""
         from dflash.shards import Cache
-        from dflash.shards.remote_cache import default_local_dir
 
         local = None
         if self.data.shard_cache_dir is not None and is_url(self.cache):

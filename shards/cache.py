@@ -25,6 +25,8 @@ from .storage import Storage, open_storage
 from .trust import ReadLimits, check_manifest_for_reading, check_shard_identity, check_shard_layout
 from .urls import is_url
 
+REMOTE_READ_FANOUT = 4
+
 
 @dataclass(frozen=True, slots=True)
 class CacheEntry:
@@ -176,6 +178,13 @@ class Cache:
     @property
     def layers(self) -> list[int]:
         return list(self.manifest.layers)
+
+    @property
+    def read_fanout(self) -> int:
+        """Reads worth keeping in flight per reading thread: a range request spends most of its time waiting on
+        the network (an object store's first byte: 10-50 ms), a local pread on a core; 1 when every shard
+        is read from local disk."""
+        return REMOTE_READ_FANOUT if self.storage is not None and self._shard_cache is None else 1
 
     @property
     def codec(self) -> Codec:

@@ -235,8 +235,10 @@ class StreamingLoader:
         keep_own_threads()  # the training thread's CPU ops keep every core
         stop = threading.Event()
         built: queue.Queue = queue.Queue(maxsize=self.spec.prefetch_batches)
-        decode_pool = ThreadPoolExecutor(
-            self.spec.loader_threads, thread_name_prefix="dflash-decode", initializer=one_torch_thread
+        decode_pool = ThreadPoolExecutor(  # more on object storage: those threads mostly wait on the network
+            self.spec.loader_threads * self.cache.read_fanout,
+            thread_name_prefix="dflash-decode",
+            initializer=one_torch_thread,
         )
         build_pool = ThreadPoolExecutor(2, thread_name_prefix="dflash-build", initializer=one_torch_thread)
 

@@ -256,3 +256,29 @@ def test_training_sigkill_then_resume_from_s3_reproduces_the_losses(s3, tmp_path
         return [(r["step"], r["loss"], r["lr"], r["grad_norm"], r.get("tau")) for r in read_metrics(path)]
 
     assert trajectory(run) == trajectory(tmp_path / "reference")  # bit for bit, local disk vs s3 + a kill
+
+
+def test_resume_refused_when_ranks_see_different_checkpoints(tmp_path: Path) -> None:
+    """Nodes without a shared filesystem each read their own run directory: a node that lacks rank 0's latest
+    checkpoint must not start from another step (or from scratch) while the others resume."""
+    from types import SimpleNamespace
+
+    from dflash.train.trainer import Trainer
+
+    def ranks_see(steps: list[float], mine: Path | None, rank: int) -> None:
+        fake = SimpleNamespace(
+            info=SimpleNamespace(world_size=len(steps), rank=rank),
+            run_dir=tmp_path,
+            _reduce_sum=lambda values: [sum(steps), sum(s * s for s in steps)],
+        )
+        Trainer._same_checkpoint_everywhere(fake, mine)  # type: ignore[arg-type]
+
+    step_6 = tmp_path / "checkpoints" / "step_000006"
+    ranks_see([6.0, 6.0, 6.0, 6.0], step_6, 0)  # every node has it: fine
+    ranks_see([-1.0, -1.0], None, 1)  # a fresh run everywhere: fine
+    with pytest.raises(
+        ValueError, match=r"rank 1 finds no checkpoint in .*copy its run directory to every node"
+    ):
+        ranks_see([6.0, -1.0, 6.0, 6.0], None, 1)
+    with pytest.raises(ValueError, match="rank 0 finds step 6"):
+        ranks_see([6.0, 3.0], step_6, 0)

@@ -43,6 +43,7 @@ from .reader import ShardReader
 from .remote_cache import RemoteFile, stage_remote
 from .safe_io import load_json
 from .storage import Storage, open_storage, transient_counts
+from .trust import check_shard_layout
 from .urls import default_stage_dir
 
 log = logging.getLogger(__name__)
@@ -169,8 +170,6 @@ class Publisher:
         self.manifest_sent: bytes | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.requests = 0
 
     def start(self) -> None:
         self.uploaded = self.storage.list_sizes(SHARDS_DIR)
@@ -182,8 +181,7 @@ class Publisher:
             try:
                 self.sync_shards()
                 self.sync_manifest(complete=False)
-            except BaseException as exc:  # retried at the next tick; `finish` raises what is left
-                self.error = exc
+            except Exception as exc:  # retried at the next tick; `finish` meets what is left and raises it
                 log.warning("upload to %s failed, retried: %s", self.storage.location, exc)
 
     def stop(self) -> None:
@@ -267,6 +265,7 @@ def _hydrate(storage: Storage, local: Path, keep_local: bool) -> bool:
     with contextlib.suppress(FileExistsError):
         (local / MARK_NAME).write_text(json.dumps({"kind": "cache"}) + "\n")
     if not keep_local:
+        manifest = load_manifest(local)
         for name in sorted(storage.list_sizes(SHARDS_DIR)):
             if unit_of_shard(name) is None:
                 continue
@@ -276,7 +275,9 @@ def _hydrate(storage: Storage, local: Path, keep_local: bool) -> bool:
             except ShardError as exc:  # not a whole shard: the writer redoes its unit and replaces it
                 log.warning("%s: %s; its unit is extracted again", storage.where(key), exc)
                 continue
-            with reader:
+            with reader:  # another cache's shard (codec, layers, dtype, width) is refused, not recorded
+                check_shard_layout(reader.path, manifest, reader.codec.to_dict(), reader.layers,
+                                   reader.dtype, reader.hidden_size)  # fmt: skip
                 skipped = reader.meta.get("skipped", [])
                 record_published(local, name, reader.info(), skipped if isinstance(skipped, list) else [])
     return False

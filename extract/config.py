@@ -18,6 +18,7 @@ OVERLONG_POLICIES = ("truncate", "skip")
 NONFINITE_POLICIES = ("fail", "skip")
 DTYPES = ("bfloat16", "float32", "auto")
 GiB = 1 << 30
+STAGED_UNITS = 4  # shards the staging directory of a run publishing to object storage holds at most
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

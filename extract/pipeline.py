@@ -33,7 +33,7 @@ from dflash.shards.published import published_shards
 from dflash.shards.threads import keep_own_threads, one_torch_thread
 from dflash.shards.writer import ShardMeta
 
-from .config import ExtractConfig
+from .config import STAGED_UNITS, ExtractConfig
 from .nonfinite import skipped_in_shard
 from .plan import BatchPlan, WorkUnit
 from .prepare import PreparedRun, cache_manifest, prepare
@@ -105,9 +105,6 @@ def _prepare(config: ExtractConfig, rank: RankInfo) -> _Setup:
     codec = get_codec(config.codec)
     meta = ShardMeta(codec=codec, layers=run.layers, hidden_size=run.target.hidden_size, dtype=manifest.dtype)
     return _Setup(config, rank, device, dtype, run, codec, manifest, meta)
-
-
-STAGED_UNITS = 4  # shards a publishing run's staging directory holds at most, with room to spare
 
 
 def _check_disk(s: _Setup, committed: set[int]) -> None:

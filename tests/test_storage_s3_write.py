@@ -158,3 +158,12 @@ def test_takeover_replaces_only_the_version_judged_stale_and_a_robbed_writer_sto
         winner.check()
     winner.release()
     assert json.loads(storage.read_all(".lock", 4096))["what"] == "thief"  # the thief's lock is left alone
+
+
+def test_dry_run_to_s3_sizes_the_staging_directory(inputs, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = [*extract_argv(inputs, "s3://bucket/cache", tmp_path / "stage"), "--dry-run"]
+    assert extract_main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["publish_to"] == "s3://bucket/cache" and d["fits"] is True
+    assert list(tmp_path.iterdir()) == []  # nothing written, no folder named s3:, no request made

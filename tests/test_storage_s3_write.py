@@ -167,3 +167,25 @@ def test_dry_run_to_s3_sizes_the_staging_directory(inputs, tmp_path: Path, capsy
     d = json.loads(capsys.readouterr().out)
     assert d["publish_to"] == "s3://bucket/cache" and d["fits"] is True
     assert list(tmp_path.iterdir()) == []  # nothing written, no folder named s3:, no request made
+
+
+@pytest.mark.parametrize("url", ["s3x://bucket/cache", "gs://bucket/cache"])
+def test_unservable_out_url_is_refused_not_written_as_a_folder(
+    inputs, url: str, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Before object storage, `--out s3://bucket/cache` extracted into a local folder named `s3:` and exited 0."""
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        "--target",
+        str(inputs["target"]),
+        "--dataset",
+        str(inputs["dataset"]),
+        "--out",
+        url,
+        "--device",
+        "cpu",
+    ]
+    assert extract_main([*argv, "--layers", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and url in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []

@@ -59,6 +59,12 @@ def test_extract_verify_convert_train_export_on_s3(s3, inputs, tmp_path: Path, c
     argv = tiny_train_argv(q4, run, "--max-steps", "3", "--eval-every", "3", "--no-tensorboard", "--no-plots")  # type: ignore[arg-type]
     assert train_main(argv) == 0
     assert train_main(["export", str(run), "--out", str(tmp_path / "export")]) == 0
+    # No credential in anything written: manifests, metrics, checkpoints, staging and local copies, outputs.
+    secrets = [s3.env["AWS_ACCESS_KEY_ID"].encode(), s3.env["AWS_SECRET_ACCESS_KEY"].encode()]
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(written) > 10 and not [p for p in written if any(k in p.read_bytes() for k in secrets)]
+    out = capsys.readouterr()
+    assert not any(k.decode() in out.out + out.err for k in secrets)
     # A re-run of the same command on the complete prefix does nothing and says so.
     assert extract_main(extract_argv(inputs, url, tmp_path / "other-stage")) == 0
     assert "already a complete cache" in capsys.readouterr().err  # --json: stdout stays JSON

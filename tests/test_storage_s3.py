@@ -180,6 +180,8 @@ def test_training_from_s3_equals_training_from_disk(s3, tmp_path: Path, monkeypa
     local = write_fake_cache(tmp_path / "cache", num_samples=30, samples_per_shard=10)
     bucket = s3.new_bucket()
     upload_dir(s3, bucket, "c", local)
+    assert train_cli.main([*_train_argv(f"s3://{bucket}/c", tmp_path / "dry"), "--dry-run"]) == 0
+    assert not (tmp_path / "dry").exists()  # every check of a run, against the bucket, nothing written
     assert train_cli.main(_train_argv(local, tmp_path / "run_local")) == 0
     assert train_cli.main(_train_argv(f"s3://{bucket}/c", tmp_path / "run_s3")) == 0
     losses = [

@@ -63,7 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dataset", required=True, help="save_to_disk dir, Arrow IPC file/dir or Parquet file/dir"
     )
-    p.add_argument("--out", default=None, help="cache directory to write (optional with --dry-run)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="cache directory to write, or s3://bucket/prefix (any fsspec URL) (optional with --dry-run)",
+    )
+    p.add_argument(
+        "--stage-dir",
+        default=None,
+        help="--out URL only: the local directory the cache is built in before upload (default: one per URL "
+        "under ~/.cache/dflash/remote); re-use it to resume",
+    )
     which = p.add_mutually_exclusive_group()
     which.add_argument(
         "--layers", type=_layers, default=None, help="target layer ids to capture, e.g. 1,9,17, or 'all'"
@@ -159,20 +169,38 @@ def config_from_args(argv: Sequence[str] | None) -> ExtractConfig:
         json=args.json,
         num_encode_threads=args.encode_threads,
         queue_depth=args.queue_depth,
+        stage_dir=args.stage_dir,
     )
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    config = config_from_args(argv)
+def run_config(config: ExtractConfig) -> int:
+    """Run `config` as the command line does: the dry run, a local extraction, or one published to `--out URL`."""
     if config.dry_run:
         from .dryrun import run_dry_run
 
         run_dry_run(config)
         return 0
-    from .pipeline import run_extraction  # torch + transformers: imported only for a real run
+    from dflash.shards.publish import remote_output, retried_text
 
-    run_extraction(config)
+    from .pipeline import run_extraction  # torch + transformers: imported only for a real run
+    from .units import RankInfo
+
+    if config.publish_to is None or RankInfo.from_env().rank != 0:
+        run_extraction(config)  # other ranks of an object-storage run write into the staging directory
+        return 0
+    note = sys.stderr if config.json else sys.stdout  # --json: stdout holds the one JSON object
+    # Staging keeps only shards not yet uploaded: extraction reads committed ones through shards/published.py.
+    with remote_output(config.publish_to, config.out, PROG, keep_local=False) as staged:
+        if staged is None:
+            print(f"{config.publish_to} is already a complete cache: nothing to extract", file=note)
+            return 0
+        run_extraction(config)
+    print(f"published to {config.publish_to} (staged in {config.out}){retried_text()}", file=note)
     return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    return run_config(config_from_args(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

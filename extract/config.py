@@ -11,12 +11,14 @@ from typing import Literal
 
 from dflash.shards.codec_costs import CODEC_COSTS
 from dflash.shards.layers import capture_layer_ids, check_layer_ids
+from dflash.shards.urls import check_url, default_stage_dir, is_url, local_path
 
 CODECS = tuple(CODEC_COSTS)  # every codec of shards/codecs.py, without importing torch
 OVERLONG_POLICIES = ("truncate", "skip")
 NONFINITE_POLICIES = ("fail", "skip")
 DTYPES = ("bfloat16", "float32", "auto")
 GiB = 1 << 30
+STAGED_UNITS = 4  # shards the staging directory of a run publishing to object storage holds at most
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,12 +69,18 @@ class ExtractConfig:
     json: bool = False
     num_encode_threads: int | None = None
     queue_depth: int = 4
+    publish_to: str | None = None  # --out URL (s3://bucket/prefix): `out` is then the local staging directory
+    stage_dir: Path | None = None
 
     def __post_init__(self) -> None:
-        self.target = Path(self.target)
-        self.dataset = Path(self.dataset)
+        self.target = local_path(self.target, "--target")
+        self.dataset = local_path(self.dataset, "--dataset")
+        if self.out is not None and is_url(str(self.out)) and not str(self.out).startswith("file://"):
+            # Object storage: written into a local staging directory, published as it goes (shards.publish).
+            self.publish_to = check_url(str(self.out), "--out")
+            self.out = Path(self.stage_dir) if self.stage_dir else default_stage_dir(self.publish_to)
         if self.out is not None:
-            self.out = Path(self.out)
+            self.out = local_path(self.out, "--out")
         elif not self.dry_run:
             raise ValueError("out is required (the cache directory to write); pass --out CACHE")
         if self.layers is not None and self.num_draft_layers is not None:

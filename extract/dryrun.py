@@ -14,7 +14,7 @@ from dflash.shards.codec_costs import codec_table, format_codec_table
 from dflash.shards.outdir import check_out_dir
 from dflash.shards.sizes import size_text
 
-from .config import ExtractConfig
+from .config import STAGED_UNITS, ExtractConfig
 from .plan import estimate_cache_bytes, plan_stats
 from .prepare import PreparedRun, prepare
 
@@ -43,6 +43,9 @@ def dry_run_summary(config: ExtractConfig, run: PreparedRun) -> dict:
         report.tokens, len(report.rows), len(run.layers), run.target.hidden_size, planned_dtype(config)
     )
     free, probe = free_space(config.out)
+    local_need = estimate[config.codec]
+    if config.publish_to:  # published to object storage, the staging directory holds a few shards at a time
+        local_need = min(local_need, STAGED_UNITS * config.unit_bytes)
     summary = report.summary()
     return {
         **summary,
@@ -69,7 +72,8 @@ def dry_run_summary(config: ExtractConfig, run: PreparedRun) -> dict:
         "codecs": codec_table(estimate, planned_dtype(config)),
         "free_bytes": free,
         "free_path": str(probe),
-        "fits": estimate[config.codec] <= free,
+        "publish_to": config.publish_to,
+        "fits": local_need <= free,
         "open_seconds": round(run.seconds["open"], 4),
         "validate_seconds": round(run.seconds["validate"], 4),
         "plan_seconds": round(run.seconds["plan"], 4),

@@ -29,11 +29,12 @@ from dflash.shards.manifest import Manifest, ShardInfo, save_manifest
 from dflash.shards.outdir import claim_out_dir
 from dflash.shards.paths import MANIFEST_NAME, shard_name, shard_path
 from dflash.shards.progress import progress_bar
+from dflash.shards.published import published_shards
 from dflash.shards.sizes import raw_state_bytes
 from dflash.shards.threads import keep_own_threads, one_torch_thread
 from dflash.shards.writer import ShardMeta
 
-from .config import ExtractConfig
+from .config import STAGED_UNITS, ExtractConfig
 from .nonfinite import skipped_in_shard
 from .plan import BatchPlan, WorkUnit
 from .prepare import PreparedRun, cache_manifest, prepare
@@ -109,7 +110,9 @@ def _prepare(config: ExtractConfig, rank: RankInfo) -> _Setup:
 
 def _check_disk(s: _Setup, committed: set[int]) -> None:
     out = s.config.out
-    need = sum(u.est_bytes for u in s.units if u.index not in committed)
+    left = sorted((u.est_bytes for u in s.units if u.index not in committed), reverse=True)
+    # Published to object storage, the staging directory holds only the shards in flight or awaiting upload.
+    need = sum(left[:STAGED_UNITS] if s.config.publish_to else left)
     free = shutil.disk_usage(out).free
     if need > free and not s.config.force:
         raise ValueError(
@@ -226,10 +229,21 @@ def _finalize(s: _Setup) -> Manifest:
 
     infos: list[ShardInfo] = []
     nonfinite: list[dict[str, Any]] = []
+    published = published_shards(s.config.out)  # uploaded to object storage and deleted here
     for u in range(len(s.units)):
-        with ShardReader.open(shard_path(s.config.out, shard_name(u))) as r:
-            infos.append(r.info())
-            nonfinite.extend(skipped_in_shard(r))
+        name = shard_name(u)
+        if name not in published:
+            try:
+                with ShardReader.open(shard_path(s.config.out, name)) as r:
+                    infos.append(r.info())
+                    nonfinite.extend(skipped_in_shard(r))
+                continue
+            except FileNotFoundError:  # uploaded and deleted since the record was read
+                published = published_shards(s.config.out)
+                if name not in published:
+                    raise
+        infos.append(published[name]["info"])
+        nonfinite.extend(published[name]["skipped"])
     if not sum(i.rows for i in infos) and not s.config.allow_empty:
         raise ValueError(
             f"{s.config.out}: every row was skipped ({len(nonfinite)} for non-finite hidden states), the "

@@ -36,6 +36,7 @@ from dflash.shards.paths import (
     shard_path,
     unit_of_shard,
 )
+from dflash.shards.published import published_shards
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,10 @@ def reopen_for_lost_shards(cache_dir: Path, manifest: Manifest) -> Manifest:
     from dflash.shards.cache import shard_file_problems
     from dflash.shards.reader import ShardReader
 
-    problems = shard_file_problems(cache_dir, manifest.shards)
+    published = published_shards(cache_dir)  # uploaded and deleted here on purpose (an object-storage run)
+    problems = {
+        n: p for n, p in shard_file_problems(cache_dir, manifest.shards).items() if n not in published
+    }
     if not problems:
         return manifest
     for name, problem in problems.items():
@@ -201,12 +205,16 @@ def drop_unreadable_shards(cache_dir: Path, committed: set[int]) -> set[int]:
     from dflash.shards.reader import ShardReader
 
     raise_if_not_ours(cache_dir, "cache")
-    good = set()
-    for u in sorted(committed):
+    published = published_shards(cache_dir)
+    good = {u for u in committed if shard_name(u) in published}  # whole in object storage, gone from here
+    for u in sorted(committed - good):
         path = shard_path(cache_dir, shard_name(u))
         try:
             ShardReader.open(path).close()
             good.add(u)
+        except FileNotFoundError:  # uploaded to object storage and deleted meanwhile: recorded since
+            if path.name in published_shards(cache_dir):
+                good.add(u)
         except (ShardError, OSError) as exc:
             log.warning("removing unreadable shard %s (%s); its unit is redone", path.name, exc)
             path.unlink(missing_ok=True)

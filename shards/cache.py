@@ -1,6 +1,8 @@
 """A cache directory as readers see it: the manifest's shards, opened lazily, checked on first open (layout,
 identity, each row stored once), shared by threads (`Cache.open`). One shard file at a time is
-`reader.ShardReader`'s business."""
+`reader.ShardReader`'s business. A cache on object storage (`s3://bucket/prefix`) opens the same way: its
+manifest and target/ are copied to a local directory (`remote_cache.stage_remote`) and its shards are read
+by range requests."""
 
 from __future__ import annotations
 
@@ -15,10 +17,15 @@ from pathlib import Path
 from .codecs import Codec, codec_from_dict
 from .errors import DuplicateRows, ShardError
 from .manifest import Manifest, ShardInfo, load_manifest
-from .paths import SHARDS_DIR
+from .paths import SHARDS_DIR, unit_of_shard
 from .reader import Sample, ShardReader
+from .remote_cache import RemoteFile, ShardFileCache, stage_remote
 from .row_ledger import RowLedger, suspect_repeated_rows
+from .storage import Storage, open_storage
 from .trust import ReadLimits, check_manifest_for_reading, check_shard_identity, check_shard_layout
+from .urls import is_url
+
+REMOTE_READ_FANOUT = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,20 @@ def shard_file_problems(cache_dir: Path, shards: Sequence[ShardInfo]) -> dict[st
     return problems
 
 
+def shard_object_problems(storage: Storage, shards: Sequence[ShardInfo]) -> dict[str, str]:
+    """`shard_file_problems` on object storage: one listing (a request per 1000 shards), no read."""
+    sizes = storage.list_sizes(SHARDS_DIR)
+    problems: dict[str, str] = {}
+    for info in shards:
+        where = storage.where(f"{SHARDS_DIR}/{info.name}")
+        size = sizes.get(info.name)
+        if size is None:
+            problems[info.name] = f"{where}: missing, the manifest lists it"
+        elif size != info.bytes:
+            problems[info.name] = f"{where}: {size} bytes, the manifest records {info.bytes}"
+    return problems
+
+
 class Cache:
     """A cache directory; open with `Cache.open(path)`. Shards open lazily and are shared by threads."""
 
@@ -64,10 +85,14 @@ class Cache:
         from_manifest: bool,
         max_open_shards: int,
         unique_rows: bool = True,
+        storage: Storage | None = None,
     ):
         if max_open_shards < 1:
             raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
-        self.path = path
+        self.path = path  # local: the cache; remote: the local copy of its manifest and target/
+        self.storage = storage if storage is not None and storage.is_remote else None
+        self.location = self.storage.location if self.storage else str(path)  # what messages name
+        self._shard_cache: ShardFileCache | None = None
         self.manifest = manifest
         self.shard_names = shard_names
         self._known = set(shard_names)
@@ -90,19 +115,30 @@ class Cache:
         *,
         max_open_shards: int = 64,
         unique_rows: bool = True,
+        local_dir: str | os.PathLike | None = None,
+        shard_cache_bytes: int = 0,
     ) -> Cache:
         """Complete caches list shards from the manifest (no directory scan, no footer read until used);
         `require_complete=False` lists the committed `shards/shard-*.dfs` instead (resume, verify).
         At most `max_open_shards` readers (file descriptors + parsed indexes) stay cached.
         `unique_rows` (readers that plan over the cache) refuses a row stored twice (`DuplicateRows`): here
         when the manifest already suggests one (`suspect_repeated_rows`), else when the shard holding the
-        second copy is opened; `verify` and the inspecting commands pass False and report it themselves."""
+        second copy is opened; `verify` and the inspecting commands pass False and report it themselves.
+        `path` may be a URL (`s3://bucket/prefix`): manifest and target/ are copied into `local_dir` (default:
+        one per URL under ~/.cache/dflash/remote) and shards are read by range requests, or, with
+        `shard_cache_bytes`, downloaded whole into `local_dir`/shards and kept there up to that many bytes
+        (`remote_cache.ShardFileCache`)."""
+        storage = open_storage(path) if is_url(str(path)) else None
+        if storage is not None:  # a remote cache's manifest and target/ are read from their local copy
+            path = stage_remote(storage, local_dir) if storage.is_remote else storage.root
         path = Path(path)
+        label = storage.location if storage is not None and storage.is_remote else str(path)
         manifest = load_manifest(path)
-        check_manifest_for_reading(manifest, f"{path}/manifest.json")
+        check_manifest_for_reading(manifest, f"{label}/manifest.json")
         if manifest.complete:
             names = [s.name for s in manifest.shards]
-            cache = cls(path, manifest, names, True, max_open_shards, unique_rows)
+            cache = cls(path, manifest, names, True, max_open_shards, unique_rows, storage)
+            cache.use_shard_cache(shard_cache_bytes)
             if unique_rows and suspect_repeated_rows(manifest):
                 try:
                     cache.check_rows_once()
@@ -112,16 +148,43 @@ class Cache:
             return cache
         if require_complete:
             raise ShardError(
-                f"{path}: cache is incomplete (extraction running or interrupted): resume the extraction, "
+                f"{label}: cache is incomplete (extraction running or interrupted): resume the extraction, "
                 "or open with require_complete=False to read what is committed"
             )
-        shard_dir = path / SHARDS_DIR
-        names = sorted(p.name for p in shard_dir.glob("shard-*.dfs")) if shard_dir.is_dir() else []
-        return cls(path, manifest, names, False, max_open_shards, unique_rows)
+        cache = cls(path, manifest, [], False, max_open_shards, unique_rows, storage)
+        cache.use_shard_cache(shard_cache_bytes)
+        cache.shard_names = cache.committed_names()
+        cache._known = set(cache.shard_names)
+        return cache
+
+    def use_shard_cache(self, max_bytes: int) -> None:
+        """Keep up to `max_bytes` of whole remote shards in `path`/shards (a remote cache; 0: range reads only)."""
+        if self.storage is not None and max_bytes > 0:
+            self._shard_cache = ShardFileCache(self.path / SHARDS_DIR, max_bytes)
+
+    def committed_names(self) -> list[str]:
+        """The committed shards present now (`shard-*.dfs` on disk, or objects under the prefix), sorted."""
+        if self.storage is not None:
+            return sorted(n for n in self.storage.list_sizes(SHARDS_DIR) if unit_of_shard(n) is not None)
+        shard_dir = self.path / SHARDS_DIR
+        return sorted(p.name for p in shard_dir.glob("shard-*.dfs")) if shard_dir.is_dir() else []
+
+    def where(self, name: str) -> str:
+        """Shard `name`'s path or URL, for messages."""
+        if self.storage is not None:
+            return self.storage.where(f"{SHARDS_DIR}/{name}")
+        return str(self.path / SHARDS_DIR / name)
 
     @property
     def layers(self) -> list[int]:
         return list(self.manifest.layers)
+
+    @property
+    def read_fanout(self) -> int:
+        """Reads worth keeping in flight per reading thread: a range request spends most of its time waiting on
+        the network (an object store's first byte: 10-50 ms), a local pread on a core; 1 when every shard
+        is read from local disk."""
+        return REMOTE_READ_FANOUT if self.storage is not None and self._shard_cache is None else 1
 
     @property
     def codec(self) -> Codec:
@@ -141,8 +204,8 @@ class Cache:
                 self._readers.move_to_end(name)
                 return reader
             if name not in self._known:
-                raise KeyError(f"{self.path}: no shard named {name!r}")
-        reader = ShardReader.open(self.path / SHARDS_DIR / name, self.limits)  # outside the lock: disk I/O
+                raise KeyError(f"{self.location}: no shard named {name!r}")
+        reader = self._open_reader(name)  # outside the lock: disk or network I/O
         try:
             check_shard_layout(reader.path, self.manifest, reader.codec.to_dict(), reader.layers,
                                reader.dtype, reader.hidden_size)  # fmt: skip
@@ -160,9 +223,24 @@ class Cache:
                 self._readers.popitem(last=False)
             return reader
 
+    def _open_reader(self, name: str) -> ShardReader:
+        if self.storage is None:
+            return ShardReader.open(self.path / SHARDS_DIR / name, self.limits)
+        key = f"{SHARDS_DIR}/{name}"
+        if self._shard_cache is None:
+            file = RemoteFile(self.storage, key)
+        else:
+            listed = self._listed.get(name)
+            file = self._shard_cache.open(self.storage, key, name, listed.bytes if listed else None)
+        return ShardReader.open_file(file, self.storage.where(key), self.limits, name)
+
     def shard_file_problems(self) -> dict[str, str]:
         """`shard_file_problems` of the shards the manifest lists (none for a cache still being written)."""
-        return shard_file_problems(self.path, self.manifest.shards) if self._from_manifest else {}
+        if not self._from_manifest:
+            return {}
+        if self.storage is not None:
+            return shard_object_problems(self.storage, self.manifest.shards)
+        return shard_file_problems(self.path, self.manifest.shards)
 
     def check_rows_once(self) -> None:
         """Read every shard's index now (no sample data) so that a row stored twice is refused before any work
@@ -194,7 +272,7 @@ class Cache:
             with self._lock:
                 self._rows = rows
         if row not in rows:
-            raise KeyError(f"{self.path}: row {row} is not in this cache")
+            raise KeyError(f"{self.location}: row {row} is not in this cache")
         name, i = rows[row]
         e = self.shard(name).entries[i]
         return CacheEntry(row=row, length=e.length, supervised=e.supervised, shard=name, index=i)

@@ -53,24 +53,26 @@ from .sizes import CacheSize, cache_size
 from .target_files import check_target_files, digest_files, target_file_problems
 from .target_parts import check_target_parts, target_dir
 from .threads import torch_threads
+from .urls import is_url, local_path
 from .writer import Committer, EncodedSample, ShardMeta, ShardWriter, encode_sample
 
 
 @dataclass(kw_only=True, slots=True)
 class ConvertConfig:
-    source: Path
+    source: Path | str  # a local cache or a URL (s3://bucket/prefix: read by range requests)
     out: Path
     codec: str
     threads: int = 0  # encode threads; 0: one per CPU core
     device: str = "cpu"  # where fp8/q4/q6 quantize (cuda: like the extractor)
 
     def __post_init__(self) -> None:
-        self.source, self.out = Path(self.source), Path(self.out)
+        self.source = self.source if is_url(str(self.source)) else Path(self.source)
+        self.out = local_path(self.out, "--out")
         if self.codec not in codec_names():
             raise ValueError(f"--codec must be one of {', '.join(codec_names())}; got {self.codec!r}")
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0 (0: one per core), got {self.threads}")
-        if self.source.resolve() == self.out.resolve():
+        if isinstance(self.source, Path) and self.source.resolve() == self.out.resolve():
             raise ValueError(f"--out {self.out} is the source cache: convert writes a new cache beside it")
         check_device(self.device)
 
@@ -264,12 +266,12 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
         if codec == source.codec:
             raise ValueError(f"{config.source} is already stored with codec {config.codec!r}")
         # Training needs them: refuse a source without them, or unlike its record, before any work.
-        check_target_files(config.source, source.manifest.target_files)
-        check_target_parts(config.source)
+        check_target_files(source.path, source.manifest.target_files)  # a remote cache's local copy
+        check_target_parts(source.path)
         source.check_rows_once()  # every index (not the data) read now: a row in two shards refused up front
         expected = converted_manifest(source.manifest, codec)
         if not expected.target_files:  # a source from before digests: record what is copied
-            expected.target_files = digest_files(target_dir(config.source))
+            expected.target_files = digest_files(target_dir(source.path))
         claim_out_dir(config.out, "cache")  # the --out rule, before anything is created or deleted
         lock = take_lock(
             config.out / LOCK_NAME, f"{config.out} is being written by another process", command="convert"
@@ -279,7 +281,7 @@ def convert_cache(config: ConvertConfig) -> ConvertResult:
             shard_dir = config.out / SHARDS_DIR
             shard_dir.mkdir(exist_ok=True)
             remove_stale_temp_files(config.out)
-            _copy_target(config.source, config.out, expected.target_files)
+            _copy_target(source.path, config.out, expected.target_files)
             threads = config.threads or max(1, os.cpu_count() or 1)
             converted, raw = 0, 0
             progress = progress_bar("convert", sum(i.rows for i in source.shard_infos), "row")

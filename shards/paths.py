@@ -39,6 +39,10 @@ def shard_path(cache_dir: str | os.PathLike, name: str) -> Path:
 
 
 def committed_shard_names(cache_dir: str | os.PathLike) -> list[str]:
-    """The committed shards in CACHE/shards/ (renamed to their final name), sorted."""
+    """The committed shards in CACHE/shards/ (renamed to their final name), and those a staging directory
+    uploaded and deleted (`published.py`), sorted."""
+    from .published import published_shards  # it reads this module's names
+
     d = Path(cache_dir) / SHARDS_DIR
-    return sorted(p.name for p in d.iterdir() if unit_of_shard(p.name) is not None) if d.is_dir() else []
+    local = {p.name for p in d.iterdir() if unit_of_shard(p.name) is not None} if d.is_dir() else set()
+    return sorted(local | set(published_shards(cache_dir)))

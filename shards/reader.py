@@ -1,8 +1,9 @@
 """Read shard files: index without decompression, one sample or a layer subset, sequential iteration (a
 cache directory of them is `cache.Cache`).
 
-Every read is an `os.pread` on a shared descriptor (no file position), so readers are safe to share
-between threads; decompression releases the GIL, so N threads decode on ~N cores.
+Every read is an `os.pread` on a shared descriptor (no file position), or a range request on object storage
+(`remote_cache.RemoteFile`), so readers are safe to share between threads; decompression releases the GIL, so N
+threads decode on ~N cores.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -56,24 +58,57 @@ def _pread_exact(fd: int, size: int, offset: int, where: str) -> bytes | bytearr
     return buf
 
 
+class LocalFile:
+    """A regular file read by `pread` on one shared descriptor (what `ShardReader` reads on a local disk)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = open_regular(path, "shard")  # a FIFO or directory is refused here, not hung on or read
+        self.size = os.fstat(self._fd).st_size
+
+    def pread(self, size: int, offset: int) -> bytes | bytearray:
+        return _pread_exact(self._fd, size, offset, str(self.path))
+
+    def advise_sequential(self) -> None:
+        if hasattr(os, "posix_fadvise") and self._fd >= 0:  # ask the kernel for big readahead
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class RangeFile(Protocol):
+    """What a shard is read through: a local file (`LocalFile`) or an object (`remote_cache.RemoteFile`)."""
+
+    size: int
+
+    def pread(self, size: int, offset: int) -> bytes | bytearray: ...
+    def advise_sequential(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class ShardReader:
-    """One committed shard file; open with `ShardReader.open(path)`."""
+    """One committed shard; open with `ShardReader.open(path)` (a local file) or `open_file` (any `RangeFile`)."""
 
     def __init__(
         self,
-        path: Path,
-        fd: int,
+        path: Path | str,
+        file: RangeFile,
         file_size: int,
         index_offset: int,
         raw_index: bytes,
         limits: ReadLimits = NO_LIMITS,
+        name: str | None = None,
     ):
-        # Parsed before owning fd: open() closes it on failure.
+        # Parsed before owning the file: open_file() closes it on failure.
         idx = parse_index(raw_index, index_offset, str(path), max_length=limits.max_length)
         self.limits = limits
-        self.path = path
-        self.name = path.name
-        self._fd = fd
+        self.path = path  # a local Path, or the object's URL (a str) for messages
+        self.name = name or Path(path).name
+        self._file = file
         self.file_size = file_size
         self.index_offset = index_offset
         self.index_checksum = f"{index_checksum(raw_index):016x}"
@@ -91,21 +126,32 @@ class ShardReader:
     def open(cls, path: str | os.PathLike, limits: ReadLimits = NO_LIMITS) -> ShardReader:
         """Open and validate a shard; `limits` (from the cache's manifest) bound what its index may claim."""
         path = Path(path)
-        fd = open_regular(path, "shard")  # a FIFO or directory is refused here, not hung on or read
+        return cls.open_file(LocalFile(path), path, limits)
+
+    @classmethod
+    def open_file(
+        cls, file: RangeFile, path: Path | str, limits: ReadLimits = NO_LIMITS, name: str | None = None
+    ) -> ShardReader:
+        """`open` of a shard read through `file` (owned from now on: closed on failure and by `close`)."""
         try:
-            size = os.fstat(fd).st_size
+            size = file.size
             if size < len(MAGIC) + FOOTER.size:
                 raise ShardError(f"{path}: {size} bytes is too small for a shard: truncated")
-            if _pread_exact(fd, len(MAGIC), 0, str(path)) != MAGIC:
+            if bytes(file.pread(len(MAGIC), 0)) != MAGIC:
                 raise ShardError(f"{path}: bad magic: not a dflash shard")
-            footer = _pread_exact(fd, FOOTER.size, size - FOOTER.size, str(path))
-            offset, length, digest = parse_footer(footer, size, str(path))
-            raw = _pread_exact(fd, length, offset, str(path))  # length <= file size: checked by the footer
+            # A remote file reads footer and index in one request (`tail_hint`); a local one reads the footer.
+            tail_start = size - max(FOOTER.size, min(size - len(MAGIC), getattr(file, "tail_hint", 0)))
+            tail = file.pread(size - tail_start, tail_start)
+            offset, length, digest = parse_footer(tail[-FOOTER.size :], size, str(path))
+            if offset >= tail_start:  # length <= file size: checked by the footer
+                raw = bytes(tail[offset - tail_start : offset - tail_start + length])
+            else:
+                raw = file.pread(length, offset)
             if index_checksum(raw) != digest:
                 raise ShardError(f"{path}: index checksum mismatch: the index is corrupt")
-            return cls(path, fd, size, offset, raw, limits)
+            return cls(path, file, size, offset, raw, limits, name)
         except BaseException:
-            os.close(fd)
+            file.close()
             raise
 
     def info(self) -> ShardInfo:
@@ -183,15 +229,25 @@ class ShardReader:
         entry = self.entries[i]
         wanted = self._layer_slots(layers)
         if layers is None:  # everything: one contiguous read
-            span = _pread_exact(self._fd, entry.end - entry.start, entry.start, str(self.path))
+            span = self._file.pread(entry.end - entry.start, entry.start)
             view = memoryview(span)
             bufs = [view[off - entry.start : off - entry.start + ln] for off, ln, _ in entry.frames]
         else:
             slots = [0, 1, *(2 + self._layer_pos[layer] for layer in wanted)]
             bufs = [None] * len(entry.frames)
-            for k in slots:
-                off, ln, _ = entry.frames[k]
-                bufs[k] = _pread_exact(self._fd, ln, off, str(self.path))
+            if getattr(
+                self._file, "coalesce", False
+            ):  # one range request: a round trip costs more than bytes
+                last = max(slots)
+                end = entry.frames[last][0] + entry.frames[last][1]
+                view = memoryview(self._file.pread(end - entry.start, entry.start))
+                for k in slots:
+                    off, ln, _ = entry.frames[k]
+                    bufs[k] = view[off - entry.start : off - entry.start + ln]
+            else:
+                for k in slots:
+                    off, ln, _ = entry.frames[k]
+                    bufs[k] = self._file.pread(ln, off)
         rows = max_tokens or 0
         hidden = {
             layer: self._decode(
@@ -210,9 +266,7 @@ class ShardReader:
         self, layers: Sequence[int] | None = None, start: int = 0, *, dequantize: bool = True
     ) -> Iterator[Sample]:
         """Samples in file order from `start`; holds one sample at a time."""
-        if hasattr(os, "posix_fadvise") and self._fd >= 0:  # ask the kernel for big readahead
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        self._file.advise_sequential()
         for i in range(start, len(self.entries)):
             yield self.read(i, layers, dequantize=dequantize)
 
@@ -222,7 +276,7 @@ class ShardReader:
     def raw_frames(self, i: int) -> list[memoryview]:
         """Sample i's stored frame bytes (one read), unchecked: for `verify`, which checks them itself."""
         entry = self.entries[i]
-        view = memoryview(_pread_exact(self._fd, entry.end - entry.start, entry.start, str(self.path)))
+        view = memoryview(self._file.pread(entry.end - entry.start, entry.start))
         return [view[off - entry.start : off - entry.start + ln] for off, ln, _ in entry.frames]
 
     def frame_name(self, k: int) -> str:
@@ -234,7 +288,7 @@ class ShardReader:
         for i, entry in enumerate(self.entries):
             for k, (off, ln, digest) in enumerate(entry.frames):
                 try:
-                    data = _pread_exact(self._fd, ln, off, str(self.path))
+                    data = self._file.pread(ln, off)
                 except ShardError:
                     data = None
                 if data is None or checksum(data) != digest:
@@ -245,9 +299,7 @@ class ShardReader:
         return problems
 
     def close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
+        self._file.close()
 
     def __enter__(self) -> ShardReader:
         return self

@@ -22,7 +22,7 @@ def cache_info(cache: Cache) -> dict[str, Any]:
     size = cache_size(cache)
     stored, raw = size.stored_bytes, size.raw_bytes
     return {
-        "path": str(cache.path),
+        "path": cache.location,
         "complete": m.complete,
         "samples": samples,
         "tokens": tokens,
@@ -78,7 +78,7 @@ def sample_report(cache: Cache, row: int) -> dict[str, Any]:
             s.get("reason") for s in cache.manifest.skipped if isinstance(s, dict) and s.get("row") == row
         ]
         why = f": skipped at extraction ({reasons[0]})" if reasons else ""
-        raise ValueError(f"{cache.path}: row {row} is not in this cache{why}") from None
+        raise ValueError(f"{cache.location}: row {row} is not in this cache{why}") from None
     return {
         "row": s.row,
         "length": s.length,

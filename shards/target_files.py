@@ -39,6 +39,11 @@ FIX = (
 )
 
 
+def is_plain_name(name: str) -> bool:
+    """A file name target/ may hold: no path, no dotfile."""
+    return bool(_NAME.match(name))
+
+
 def _digest_fd(fd: int, size: int) -> str:
     h = xxhash.xxh3_128()
     if size:  # mmap refuses a length of 0

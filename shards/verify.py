@@ -23,7 +23,6 @@ from .codecs import zstd_decompress_exact
 from .errors import CorruptFrame, ShardError
 from .layout import checksum
 from .manifest import ShardInfo
-from .paths import SHARDS_DIR
 from .progress import progress_bar
 from .reader import ShardReader
 from .target_config import CONFIG_NAME
@@ -185,7 +184,7 @@ def verify_cache(
     listed in the manifest's `skipped`. Given the dataset's fingerprint (`dataset`, what the extractor
     records), its rows, lengths and tokens must be the ones the cache was extracted from."""
     m = cache.manifest
-    report = VerifyReport(cache=str(cache.path), complete=m.complete, quick=quick)
+    report = VerifyReport(cache=cache.location, complete=m.complete, quick=quick)
     compared: list[str] = []
     differences: list[str] = []
     if dataset is not None:
@@ -196,22 +195,20 @@ def verify_cache(
     report.problems.extend(_target_problems(cache))
     if not m.complete:
         report.problems.append(
-            f"{cache.path}: cache is incomplete (manifest complete=false): extraction unfinished"
+            f"{cache.location}: cache is incomplete (manifest complete=false): extraction unfinished"
         )
     listed: dict[str, ShardInfo] = {s.name: s for s in m.shards} if m.complete else {}
     if m.complete:
-        on_disk = {p.name for p in (cache.path / SHARDS_DIR).glob("shard-*.dfs")}
+        on_disk = set(cache.committed_names())
         for extra in sorted(on_disk - set(listed)):
-            report.add(
-                extra, f"{cache.path / SHARDS_DIR / extra}: committed shard not listed in the manifest"
-            )
+            report.add(extra, f"{cache.where(extra)}: committed shard not listed in the manifest")
         if len(listed) != len(m.shards):
-            report.problems.append(f"{cache.path}/manifest.json: a shard is listed more than once")
+            report.problems.append(f"{cache.location}/manifest.json: a shard is listed more than once")
     where: dict[int, list[str]] = {}
     progress = progress_bar("verify", len(cache.shard_names), "shard")  # minutes on a large cache
     for name in cache.shard_names:
         progress.update(1)
-        path = cache.path / SHARDS_DIR / name
+        path = cache.where(name)
         try:
             reader = cache.shard(name)
         except FileNotFoundError:
@@ -243,7 +240,7 @@ def verify_cache(
             report.problems.append(f"{len(dups)} rows are stored more than once in all")
     if m.complete and not where and not m.options.get("allow_empty"):
         report.problems.append(
-            f"{cache.path}: holds no samples (an empty dataset, or every row skipped: {len(m.skipped)} "
+            f"{cache.location}: holds no samples (an empty dataset, or every row skipped: {len(m.skipped)} "
             "skipped); extract with --allow-empty if that is intended"
         )
     skipped = Counter(s.get("row") for s in m.skipped if isinstance(s, dict))

@@ -8,7 +8,6 @@ import logging
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from dflash.train.startup import PHASES
 from dflash.train.trainer import Trainer, train
 
 from tests.common.fake_cache import write_fake_cache
+from tests.common.train_cli import KILLER
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,21 +145,6 @@ def test_default_layer_ids_must_be_cached(tmp_path: Path) -> None:
         train(tiny_debug(str(cache), str(tmp_path / "run"), max_steps=1))
 
 
-_KILLER = textwrap.dedent("""
-    import os, signal, sys
-    from dflash.train import metrics
-    kill_at = int(os.environ["KILL_AT_STEP"])
-    original = metrics.MetricsLogger.log
-    def log(self, record):
-        original(self, record)
-        if record["step"] == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-    metrics.MetricsLogger.log = log
-    from dflash.train.cli import main
-    sys.exit(main(sys.argv[1:]))
-""")
-
-
 def test_kill9_then_resume_reproduces_the_losses_exactly(cache_dir: Path, tmp_path: Path) -> None:
     flags = [
         "--preset",
@@ -199,7 +184,7 @@ def test_kill9_then_resume_reproduces_the_losses_exactly(cache_dir: Path, tmp_pa
     run = tmp_path / "run"
     env = {**os.environ, "KILL_AT_STEP": "8", "PYTHONPATH": str(REPO)}
     killed = subprocess.run(
-        [sys.executable, "-c", _KILLER, *flags, "--out", str(run)],
+        [sys.executable, "-c", KILLER, *flags, "--out", str(run)],
         env=env,
         capture_output=True,
         text=True,

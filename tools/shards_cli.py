@@ -25,8 +25,10 @@ from dflash.shards.cache import Cache
 from dflash.shards.cli import DefaultsHelp, run_main
 from dflash.shards.codecs import codec_names
 from dflash.shards.convert import ConvertConfig, convert_cache
+from dflash.shards.publish import remote_output, retried_text
 from dflash.shards.sizes import size_text
 from dflash.shards.summary import cache_info, cache_stats, sample_report, shard_list
+from dflash.shards.urls import check_url, is_url, local_path
 from dflash.shards.verify import verify_cache
 
 from .shards_text import info_text, verify_text
@@ -42,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_, formatter_class=DefaultsHelp)
-        sp.add_argument("cache", help="cache directory (holds manifest.json)")
+        sp.add_argument("cache", help="cache directory (holds manifest.json), or s3://bucket/prefix")
         sp.add_argument("--json", action="store_true", help="print one JSON object")
         return sp
 
@@ -60,7 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert = add("convert", "re-encode every shard with another codec into a new cache (resumable)")
     convert.add_argument("--codec", required=True, choices=codec_names(), help="the new cache's codec")
-    convert.add_argument("--out", required=True, help="the new cache directory (re-run to resume)")
+    convert.add_argument(
+        "--out", required=True, help="the new cache directory or s3://bucket/prefix (re-run to resume)"
+    )
+    convert.add_argument(
+        "--stage-dir", help="--out URL only: the local directory the new cache is built in before upload"
+    )
     convert.add_argument("--threads", type=int, default=0, help="encode threads (default: one per core)")
     convert.add_argument(
         "--device",
@@ -94,18 +101,32 @@ def _fields(d: dict[str, Any]) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    config = ConvertConfig(
-        source=args.cache, out=args.out, codec=args.codec, threads=args.threads, device=args.device
-    )
-    result = convert_cache(config)
+    def convert(out: str):  # -> ConvertResult
+        return convert_cache(
+            ConvertConfig(
+                source=args.cache, out=out, codec=args.codec, threads=args.threads, device=args.device
+            )
+        )
+
+    if is_url(args.out) and not args.out.startswith("file://"):  # built in a staging dir, then published
+        check_url(args.out, "--out")
+        with remote_output(args.out, args.stage_dir, f"{PROG} convert") as staged:
+            if staged is None:
+                print(f"{args.out} is already a complete cache: nothing to convert")
+                return 0
+            result = convert(staged)
+        if retried_text():
+            print(f"{PROG}: note: {retried_text().lstrip('; ')}", file=sys.stderr)
+    else:
+        result = convert(args.out)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=1))
+        print(json.dumps({**result.to_dict(), "out": args.out}, indent=1))
         return 0
     fewer = result.bytes_in / result.bytes_out if result.bytes_out else 0.0
     print(
         f"converted {result.converted} of {result.shards} shards ({result.rows:,} rows) to {result.codec} in "
         f"{result.seconds:.1f} s: {result.size_in.text()} -> {result.size_out.text()} ({fewer:.2f}x fewer "
-        f"stored bytes than the source); check it with `{PROG} verify {result.out}`"
+        f"stored bytes than the source); check it with `{PROG} verify {args.out}`"
     )
     return 0
 
@@ -124,6 +145,8 @@ def _main(argv: Sequence[str] | None) -> int:
         raise ValueError(f"--sample must be >= 1, got {args.sample}")
     if args.command == "convert":
         return _convert(args)
+    if getattr(args, "dataset", None):
+        local_path(args.dataset, "--dataset")
     # These commands inspect and report: a row stored twice is what `verify` is there to list, not refuse.
     with Cache.open(args.cache, require_complete=False, unique_rows=False) as cache:
         if args.command == "info":

@@ -214,6 +214,8 @@ RESUMABLE_KEYS = frozenset(
         "out",
         "resume",
         "resume_from",
+        "shard_cache_dir",  # where a remote cache's copies are kept: another node keeps them elsewhere
+        "shard_cache_gb",
         "device",
         "attention",  # a kernel choice: both paths compute the same function
         "compile",  # likewise

@@ -18,6 +18,7 @@ from typing import Any
 from dflash.shards.cli import DefaultsHelp, run_main
 from dflash.shards.errors import DiskFull
 from dflash.shards.outdir import claim_out_dir
+from dflash.shards.urls import local_path
 
 from .config import (
     ATTENTION_CHOICES,
@@ -102,6 +103,17 @@ def _train_parser() -> argparse.ArgumentParser:
     data.add_argument("--eval-fraction", type=float, help="fraction of rows held out (hash of the row id)")
     data.add_argument("--eval-rows", help="file of row ids to hold out (JSON list or one per line)")
     data.add_argument("--eval-samples", type=int, help="held-out samples used per evaluation")
+    data.add_argument(
+        "--shard-cache-dir",
+        help="--cache URL only: where its manifest, target/ and downloaded shards are kept "
+        "(default ~/.cache/dflash/remote)",
+    )
+    data.add_argument(
+        "--shard-cache-gb",
+        type=float,
+        help="--cache URL only: keep up to this many GB of whole shards locally, so later epochs read the "
+        "disk (default 0: every read is a range request)",
+    )
     model = p.add_argument_group("drafter")
     model.add_argument("--num-draft-layers", type=int, help="drafter decoder layers")
     model.add_argument(
@@ -212,6 +224,8 @@ def export_main(argv: Sequence[str]) -> int:
     from .model import DFlashDrafter, DrafterConfig
 
     args = _export_parser().parse_args(argv)
+    local_path(args.run_dir, "RUN_DIR")
+    local_path(args.out, "--out")
     source = ckpt.find_checkpoint(args.run_dir, step=args.step, best=args.best)
     claim_out_dir(args.out, "export")  # the --out rule of every dflash command
     # Checked: a damaged meta.json is one line naming the field.

@@ -19,6 +19,7 @@ from typing import Any
 from dflash.shards.errors import ShardError
 from dflash.shards.layers import check_layer_ids
 from dflash.shards.safe_io import load_json, read_regular
+from dflash.shards.urls import check_url, default_local_dir, is_url, local_path
 
 ON_CORRUPT_CHOICES = ("skip", "fail")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -49,6 +50,8 @@ class LoaderConfig:
     eval_fraction: float = 0.01
     eval_rows: str | None = None
     eval_samples: int = 128
+    shard_cache_dir: str | None = None  # an s3:// cache: its manifest, target/ and whole shards kept here
+    shard_cache_gb: float = 0.0  # ... up to this many GB of shards (0: shards read by range requests only)
 
     def __post_init__(self) -> None:
         _positive("token_budget", self.token_budget)
@@ -64,6 +67,10 @@ class LoaderConfig:
             )
         if self.on_corrupt not in ON_CORRUPT_CHOICES:
             raise ValueError(f"on_corrupt={self.on_corrupt!r}: choose one of {', '.join(ON_CORRUPT_CHOICES)}")
+        if not (isinstance(self.shard_cache_gb, (int, float)) and 0.0 <= self.shard_cache_gb < math.inf):
+            raise ValueError(f"shard_cache_gb={self.shard_cache_gb!r}: must be a number of GB >= 0")
+        if self.shard_cache_dir is not None:
+            local_path(self.shard_cache_dir, "--shard-cache-dir")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(
                 f"eval_fraction={self.eval_fraction}: must be in [0, 1) (0 disables the hash split)"
@@ -176,6 +183,9 @@ class TrainConfig:
             raise ValueError("out is empty: pass --out RUN_DIR (where checkpoints and metrics go)")
         if self.resume_from:
             self.resume = True
+        local_path(self.out, "--out")  # a run directory is local (each node writes its own checkpoints)
+        if is_url(self.cache):
+            check_url(self.cache, "--cache")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device={self.device!r}: choose one of {', '.join(DEVICE_CHOICES)}")
         if self.attention not in ATTENTION_CHOICES:
@@ -186,6 +196,17 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0 (0 disables it)")
         _positive("keep_checkpoints", self.keep_checkpoints)
+
+    def open_cache(self, **kwargs: Any) -> Any:
+        """`Cache.open` of `cache` with the run's local copies of a remote cache (`shard_cache_*`)."""
+        from dflash.shards import Cache
+
+        local = None
+        if self.data.shard_cache_dir is not None and is_url(self.cache):
+            local = default_local_dir(self.cache, self.data.shard_cache_dir)
+        return Cache.open(
+            self.cache, local_dir=local, shard_cache_bytes=int(self.data.shard_cache_gb * 1e9), **kwargs
+        )
 
     def to_flat(self) -> dict[str, Any]:
         """One flat JSON-able dict (section fields inlined), the inverse of `config_from_flat`."""

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash.shards import Cache
 from dflash.shards.layers import layer_ids_reason
 from dflash.shards.outdir import check_out_dir
 from dflash.shards.sizes import size_text
@@ -55,7 +54,7 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
         check_run_unlocked(out)  # the run would be refused while another trainer writes it
     if resuming and cfg.resume:
         resume_point(out, cfg.resume_from)  # a --resume-from that is not one of the run's checkpoints
-    with Cache.open(cfg.cache) as cache:
+    with cfg.open_cache() as cache:
         frozen, drafter_cfg, spec = checked_parts(cfg, cache, StartupClock())
         check_frozen_finite(cache, frozen)
         manifest = cache.manifest
@@ -66,7 +65,7 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
         # `keep_checkpoints` committed, the one being written before the oldest is removed, and RUN/best.
         checkpoints_disk = checkpoint * (cfg.keep_checkpoints + 1) + params * BEST_BYTES_PER_PARAM
         return {
-            "cache": str(cache.path),
+            "cache": cache.location,
             "codec": manifest.codec.get("name"),
             "rows": manifest.rows,
             "tokens": manifest.tokens,

@@ -235,8 +235,10 @@ class StreamingLoader:
         keep_own_threads()  # the training thread's CPU ops keep every core
         stop = threading.Event()
         built: queue.Queue = queue.Queue(maxsize=self.spec.prefetch_batches)
-        decode_pool = ThreadPoolExecutor(
-            self.spec.loader_threads, thread_name_prefix="dflash-decode", initializer=one_torch_thread
+        decode_pool = ThreadPoolExecutor(  # more on object storage: those threads mostly wait on the network
+            self.spec.loader_threads * self.cache.read_fanout,
+            thread_name_prefix="dflash-decode",
+            initializer=one_torch_thread,
         )
         build_pool = ThreadPoolExecutor(2, thread_name_prefix="dflash-build", initializer=one_torch_thread)
 
@@ -306,9 +308,9 @@ class StreamingLoader:
         --on-corrupt skip): the run would end at once and still export an untrained drafter."""
         name, reason = next(iter(self.bad_shards.items()))
         return (
-            f"{self.cache.path}: {len(self.bad_shards)} of {len(self.cache.shard_names)} shards skipped under "
+            f"{self.cache.location}: {len(self.bad_shards)} of {len(self.cache.shard_names)} shards skipped under "
             f"--on-corrupt skip leave nothing to train on (the first, {name}: {reason:.300}); run "
-            f"`dflash-shards verify {self.cache.path}`"
+            f"`dflash-shards verify {self.cache.location}`"
         )
 
     def _copier(self, built: queue.Queue, out: queue.Queue, put, stop: threading.Event) -> None:

@@ -93,7 +93,7 @@ def open_run(cfg: TrainConfig, clock: StartupClock) -> RunParts:
             check_resume_rule(cfg)
             seed_everything(cfg.seed)
         with clock.phase("cache_open"):
-            cache = Cache.open(cfg.cache)
+            cache = cfg.open_cache()
     except BaseException:
         release_lock(lock)
         raise
@@ -134,9 +134,9 @@ def checked_parts(
     with clock.phase("cache_open"):  # timed in two parts: Cache.open, then this stat pass
         check_shard_files(cache, cfg.data.on_corrupt)
     with clock.phase("target_files"):  # every byte as extraction wrote it, before any is read or trusted
-        check_target_files(cfg.cache, cache.manifest.target_files)
+        check_target_files(cache.path, cache.manifest.target_files)
     with clock.phase("frozen_read"):  # headers and config: the weights stay mmap'd, unread
-        frozen = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
+        frozen = load_frozen_target(cache.path, mask_token_id=cfg.drafter.mask_token_id)
         layer_ids = resolve_layer_ids(
             frozen.num_layers,
             cfg.drafter.num_draft_layers,

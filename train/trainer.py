@@ -26,6 +26,7 @@ import torch
 from dflash.shards import Cache, ManifestMismatch, ShardError
 from dflash.shards.atomic import atomic_write_json
 from dflash.shards.locks import FileLock
+from dflash.shards.storage import storage_retries
 
 from . import checkpoint as ckpt
 from .checkpoint_files import LOADER_FIELDS, CheckpointError, check_loader_state, read_meta
@@ -160,6 +161,7 @@ class Trainer:
         """Continue from the run directory's latest checkpoint (with `--resume`), after checking that it was
         written with the same settings and against this very cache. False when there is none."""
         found = ckpt.resume_point(self.run_dir, self.cfg.resume_from) if self.cfg.resume else None
+        self._same_checkpoint_everywhere(found)
         if found is None:
             if self.cfg.resume:
                 log.warning("--resume: %s holds no checkpoint yet; starting from scratch", self.run_dir)
@@ -182,6 +184,19 @@ class Trainer:
                 raise CheckpointError(f"{found / 'meta.json'}: missing field 'slot_weights'")
             self.reach.load_state_dict(meta["slot_weights"], is_main=self.info.is_main)
         return True
+
+    def _same_checkpoint_everywhere(self, found: Path | None) -> None:
+        """Every rank resumes from the same step: nodes without a shared filesystem each read their own run
+        directory, and rank 0 alone writes checkpoints (copy its run directory to every node to resume)."""
+        step = float(int(found.name.removeprefix("step_"))) if found is not None else -1.0
+        total, squares = self._reduce_sum([step, step * step])
+        world = self.info.world_size
+        if squares / world - (total / world) ** 2 > 0.25:  # the steps differ between ranks
+            seen = f"step {int(step)}" if found is not None else "no checkpoint"
+            raise ValueError(
+                f"--resume: rank {self.info.rank} finds {seen} in {self.run_dir}, other ranks another one: "
+                "checkpoints are written on rank 0's node only; copy its run directory to every node first"
+            )
 
     def train_step(self, micro: Sequence[LoadedBatch]) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches; the loss is normalised by the loss-weight sum
@@ -313,6 +328,7 @@ class Trainer:
                         "lr": step.lr,
                         "grad_norm": float(step.grad_norm),
                         "skipped_shards": len(self.loader.bad_shards),  # every rank plans over every shard
+                        **storage_retries(),  # this rank's retried object-storage requests, when any
                         **window.record(
                             self._reduce_sum, self.info.world_size, loader_state["skipped_samples"]
                         ),

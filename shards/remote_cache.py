@@ -1,0 +1,141 @@
+"""A cache on object storage, read locally: its manifest and `target/` copied into a local directory, so every
+reader of those files (training's frozen weights, the target-file digests, verify) works unchanged, while
+shards stay remote and are read by range requests (`cache.Cache`).
+
+The local directory (`local_dir`, default one per URL under `$XDG_CACHE_HOME/dflash/remote`) holds only what
+is copied: a `target/` file already there with the recorded size and digest is kept (a 2.5 GB frozen table is
+fetched once per node, not once per launch), anything else is fetched again; the manifest is fetched every
+time (an extraction may be writing it). Every copied file is checked against the manifest's digests by the
+readers that use it, exactly as a local cache's are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+from .atomic import atomic_write, atomic_write_bytes
+from .errors import ShardError
+from .manifest import MAX_MANIFEST_BYTES, load_manifest
+from .paths import MANIFEST_NAME, TARGET_DIR
+from .reader import LocalFile, RangeFile
+from .storage import Storage
+from .target_files import HASH, file_digest, is_plain_name
+from .urls import default_local_dir
+
+
+class RemoteFile:
+    """One remote object read by ranges, shaped as `reader.ShardReader` reads a local file."""
+
+    tail_hint = 1 << 20  # the shard's footer and index come in one request (an index is ~100 B per sample)
+    coalesce = True  # a sample's wanted frames in one request (the layers between them ride along)
+
+    def __init__(self, storage: Storage, key: str):
+        self.storage, self.key = storage, key
+        size = storage.size(key)
+        if size is None:
+            raise FileNotFoundError(f"{storage.where(key)}: not found")
+        self.size = size
+
+    def pread(self, size: int, offset: int) -> bytes:
+        data = self.storage.read_range(self.key, offset, size)
+        if len(data) != size:
+            raise ShardError(
+                f"{self.storage.where(self.key)}: wanted {size} bytes at offset {offset}, got {len(data)}: "
+                "truncated"
+            )
+        return data
+
+    def advise_sequential(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _matches(path: Path, record: dict) -> bool:
+    try:
+        got = file_digest(path)
+    except (OSError, ValueError):
+        return False
+    return got["bytes"] == record.get("bytes") and (HASH not in record or got[HASH] == record[HASH])
+
+
+def _download(storage: Storage, key: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: storage.get_file(key, tmp))
+
+
+def stage_remote(storage: Storage, local_dir: str | os.PathLike | None = None) -> Path:
+    """Copy the manifest and target/ of the cache at `storage` into `local_dir` (default: `default_local_dir`);
+    returns that directory."""
+    local = Path(local_dir) if local_dir else default_local_dir(storage.location)
+    local.mkdir(parents=True, exist_ok=True)
+    data = storage.read_all(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    atomic_write_bytes(local / MANIFEST_NAME, data)
+    manifest = load_manifest(local)
+    recorded = dict(manifest.target_files)
+    # Recorded names are plain file names (`parse_target_files`); listed ones are held to the same rule.
+    names = set(recorded) or {n for n in storage.list_sizes(TARGET_DIR) if is_plain_name(n)}
+    target = local / TARGET_DIR
+    for name in sorted(names):
+        path = target / name
+        if name in recorded and _matches(path, recorded[name]):
+            continue
+        _download(storage, f"{TARGET_DIR}/{name}", path)
+    if target.is_dir():  # files of an older copy the manifest no longer records would be refused as extra
+        for extra in target.iterdir():
+            if extra.name not in names and extra.is_file():
+                extra.unlink()
+    return local
+
+
+class ShardFileCache:
+    """Whole shard objects kept in a local directory, at most `max_bytes` of them: a multi-epoch run reads each
+    shard from object storage once per node instead of once per epoch. The least recently opened are evicted
+    (a reader holding one open keeps reading it: unlinking never cuts an open descriptor). Processes may share
+    the directory: downloads land under a per-process temp name and are renamed in; the size bound is
+    checked against the directory's content, not a count kept in memory. What is read from here is checked as
+    what is read remotely: the index checksum at open, the manifest's identity, every frame's checksum."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def open(self, storage: Storage, key: str, name: str, size: int | None) -> RangeFile:
+        path = self.directory / name
+        if size is None or size > self.max_bytes:
+            return RemoteFile(storage, key)
+        with self._lock, contextlib.suppress(FileNotFoundError):  # evicted by another process meanwhile
+            if path.is_file() and path.stat().st_size == size:
+                os.utime(path)  # most recently used
+                file = LocalFile(path)
+                self.hits += 1
+                return file
+        self.misses += 1
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._make_room(size)
+        atomic_write(path, lambda tmp: storage.get_file(key, tmp))
+        try:
+            return LocalFile(path)
+        except FileNotFoundError:  # another process made room by evicting it: read it remotely this time
+            return RemoteFile(storage, key)
+
+    def _make_room(self, size: int) -> None:
+        with self._lock:
+            stats = []
+            for p in self.directory.iterdir():
+                with contextlib.suppress(FileNotFoundError):  # another process's eviction
+                    if p.is_file() and not p.name.startswith("."):
+                        st = p.stat()
+                        stats.append((st.st_mtime, st.st_size, p))
+            stats.sort(key=lambda t: t[0])
+            total = sum(s for _, s, _ in stats)
+            for _, s, p in stats:
+                if total + size <= self.max_bytes:
+                    break
+                p.unlink(missing_ok=True)
+                total -= s

@@ -1,0 +1,216 @@
+"""Caches on object storage: read through a real S3 server (moto's, in a subprocess: `common/s3.py`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from common.synth import make_cache
+from dflash.shards import Cache
+from dflash.tools.shards_cli import main as shards_main
+
+from tests.common.s3 import upload_dir
+
+
+@pytest.fixture(scope="module")
+def local_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("s3src") / "cache"
+    make_cache(
+        path, [5, 60, 7, 300, 2], layers=(2, 5), hidden=64, rows_per_shard=3, skipped=((1, "too long"),)
+    )
+    return path
+
+
+@pytest.fixture
+def remote_cache(s3, local_cache: Path) -> str:
+    bucket = s3.new_bucket()
+    upload_dir(s3, bucket, "caches/a", local_cache)
+    return f"s3://{bucket}/caches/a"
+
+
+def _json(capsys: pytest.CaptureFixture[str], argv: list[str], rc: int = 0) -> dict:
+    assert shards_main(argv) == rc
+    return json.loads(capsys.readouterr().out)
+
+
+def test_inspecting_commands_read_s3_as_local(
+    remote_cache: str, local_cache: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for command in (
+        ["info"],
+        ["ls"],
+        ["show", "3"],
+        ["stats", "--sample", "3"],
+        ["verify"],
+        ["verify", "--quick"],
+    ):
+        local = _json(capsys, [command[0], str(local_cache), *command[1:], "--json"])
+        remote = _json(capsys, [command[0], remote_cache, *command[1:], "--json"])
+        for d in (local, remote):
+            d.pop("path", None), d.pop("cache", None)
+        assert remote == local, command
+    assert (
+        tmp_path / "xdg" / "dflash" / "remote"
+    ).is_dir()  # manifest and target/ copied there, not into CWD
+    assert not Path("s3:").exists()
+
+
+def test_samples_read_by_range_equal_local(remote_cache: str, local_cache: Path, tmp_path: Path) -> None:
+    with Cache.open(local_cache) as a, Cache.open(remote_cache, local_dir=tmp_path / "stage") as b:
+        assert b.location == remote_cache and b.shard_file_problems() == {}
+        for e in a.entries():
+            x, y = a.read(e.row), b.read(e.row)
+            assert x.input_ids.equal(y.input_ids) and x.loss_mask.equal(y.loss_mask)
+            assert all(x.hidden[k].equal(y.hidden[k]) for k in x.hidden)
+        sub = b.read(3, [5], dequantize=False)
+        assert list(sub.hidden) == [5]
+
+
+def test_corrupt_object_is_named_by_its_url(s3, remote_cache: str, tmp_path: Path, capsys) -> None:
+    bucket, prefix = remote_cache[5:].split("/", 1)
+    client = s3.client()
+    key = f"{prefix}/shards/shard-000000.dfs"
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[20] ^= 0xFF  # inside the first sample's frames
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    d = _json(capsys, ["verify", remote_cache, "--json"], rc=1)
+    assert not d["ok"] and any(
+        f"{remote_cache}/shards/shard-000000.dfs: sample 0" in p for p in json.dumps(d).split('"')
+    )
+    client.delete_object(Bucket=bucket, Key=key)
+    with Cache.open(remote_cache, local_dir=tmp_path / "stage") as cache:
+        assert "missing, the manifest lists it" in cache.shard_file_problems()["shard-000000.dfs"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["info", "s3x://bucket/cache"],
+        ["info", "gs:/"],
+        ["info", "s3://key:secret@bucket/cache"],
+        ["convert", "cache", "--codec", "q4", "--out", "gopher://host/x"],
+    ],
+)
+def test_unsupported_urls_refused_in_one_line(argv: list[str], capsys, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert shards_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "secret" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def checking_server(tmp_path_factory: pytest.TempPathFactory, local_cache: Path):
+    """A second server that checks credentials, holding one cache's manifest and target/ (no listing: moto
+    5.2's auth refuses its own prefixed listings)."""
+    from tests.common.s3 import S3Server
+
+    server = S3Server.start(tmp_path_factory.mktemp("auth"), auth=True)
+    client = server.client()
+    client.create_bucket(Bucket="guarded")
+    for path in [local_cache / "manifest.json", *(local_cache / "target").iterdir()]:
+        client.upload_file(str(path), "guarded", f"c/{path.relative_to(local_cache).as_posix()}")
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize(
+    ("key", "secret"), [("AKIANOSUCHKEY0000000", "wrong-secret-123"), (None, "wrong-secret-123")]
+)
+def test_wrong_credentials_one_line(
+    checking_server, key, secret, monkeypatch, capsys, tmp_path: Path
+) -> None:
+    for name, value in checking_server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "right"))
+    with Cache.open("s3://guarded/c", require_complete=False) as cache:  # the right key reads it
+        assert cache.manifest.complete
+    if key is not None:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "wrong"))
+    assert shards_main(["info", "s3://guarded/c"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "access refused by the storage service" in err, err
+    assert "AWS_ACCESS_KEY_ID" in err and secret not in err and "Traceback" not in err
+    assert list((tmp_path / "wrong").rglob("manifest.json")) == []
+
+
+@pytest.mark.parametrize(
+    ("prog", "argv"),
+    [
+        ("extract", ["--target", "t", "--dataset", "d", "--out", "s3x://bucket/cache"]),
+        ("extract", ["--target", "s3://bucket/target", "--dataset", "d", "--out", "c"]),
+        ("train", ["--cache", "c", "--out", "s3://bucket/run"]),
+        ("train", ["--cache", "nope://bucket/cache", "--out", "run"]),
+        ("train", ["export", "run", "--out", "s3://bucket/export"]),
+    ],
+)
+def test_url_flags_refused_in_one_line_and_no_folder(
+    prog: str, argv: list[str], capsys, tmp_path, monkeypatch
+) -> None:
+    """`dflash-extract --out s3://...` used to exit 0 having written a local folder named `s3:`."""
+    from dflash.extract.cli import main as extract_main
+    from dflash.train.cli import main as train_main
+
+    monkeypatch.chdir(tmp_path)
+    assert (extract_main if prog == "extract" else train_main)(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _train_argv(cache: str | Path, run: Path) -> list[str]:
+    from common.train_cli import tiny_train_argv
+
+    return tiny_train_argv(
+        cache, run, "--max-steps", "4", "--save-every", "2", "--eval-every", "2", "--no-tensorboard",
+        "--no-plots", "--num-draft-layers", "2", "--target-layer-ids", "1,3", "--seed", "3",
+    )  # fmt: skip
+
+
+def test_training_from_s3_equals_training_from_disk(s3, tmp_path: Path, monkeypatch) -> None:
+    from common.fake_cache import write_fake_cache
+    from dflash.train import cli as train_cli
+    from dflash.train.metrics import read_metrics
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    local = write_fake_cache(tmp_path / "cache", num_samples=30, samples_per_shard=10)
+    bucket = s3.new_bucket()
+    upload_dir(s3, bucket, "c", local)
+    assert train_cli.main([*_train_argv(f"s3://{bucket}/c", tmp_path / "dry"), "--dry-run"]) == 0
+    assert not (tmp_path / "dry").exists()  # every check of a run, against the bucket, nothing written
+    assert train_cli.main(_train_argv(local, tmp_path / "run_local")) == 0
+    assert train_cli.main(_train_argv(f"s3://{bucket}/c", tmp_path / "run_s3")) == 0
+    losses = [
+        [r.get("loss") for r in read_metrics(tmp_path / name) if "loss" in r]
+        for name in ("run_local", "run_s3")
+    ]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
+    kept = tmp_path / "kept"  # whole shards kept on local disk: the same batches, later reads local
+    argv = [*_train_argv(f"s3://{bucket}/c", tmp_path / "run_kept"), "--shard-cache-dir", str(kept)]
+    assert train_cli.main([*argv, "--shard-cache-gb", "1"]) == 0
+    assert [r.get("loss") for r in read_metrics(tmp_path / "run_kept") if "loss" in r] == losses[0]
+    (copy,) = kept.iterdir()  # one directory per cache URL
+    assert sorted(p.name for p in (copy / "shards").iterdir()) == sorted(
+        p.name for p in (local / "shards").iterdir()
+    )
+    assert train_cli.main(["export", str(tmp_path / "run_s3"), "--out", str(tmp_path / "export")]) == 0
+
+
+def test_shard_file_cache_keeps_at_most_its_bound(
+    remote_cache: str, local_cache: Path, tmp_path: Path
+) -> None:
+    sizes = sorted(p.stat().st_size for p in (local_cache / "shards").iterdir())
+    bound = sizes[-1] + 1  # room for one shard at a time
+    with Cache.open(remote_cache, local_dir=tmp_path / "c", shard_cache_bytes=bound) as cache:
+        rows = [e.row for e in cache.entries()]
+        first = {r: cache.read(r) for r in rows}
+        kept = list((tmp_path / "c" / "shards").iterdir())
+        assert len(kept) == 1 and sum(p.stat().st_size for p in kept) <= bound
+        assert cache._shard_cache.misses == len(cache.shard_names)
+    with Cache.open(local_cache) as plain:
+        for r in rows:
+            assert first[r].input_ids.equal(plain.read(r).input_ids)

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from common.extract import make_config, tiny_rows, write_dataset
+from common.extract import cpu_extract_argv, make_config, tiny_rows, write_dataset
 from common.fake_cache import write_fake_cache
 from common.hostile import one_error_line, resign_manifest
 from common.targets import make_target
@@ -36,13 +36,6 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_target(tmp_path_factory.mktemp("t"), "qwen3")
 
 
-def _extract_argv(target: Path, dataset: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--target", str(target), "--dataset", str(dataset), "--out", str(out), "--layers", "0,1,2",
-        "--device", "cpu", "--dtype", "float32", "--token-budget", "256", "--max-len", "32", "--json", *extra,
-    ]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def extracted(tmp_path_factory: pytest.TempPathFactory, qwen3: Path, dataset: Path) -> Path:
     out = tmp_path_factory.mktemp("c") / "cache"
@@ -63,7 +56,7 @@ def test_truncated_target_is_one_line_and_out_untouched(
     data = weights.read_bytes()
     weights.write_bytes(data[: max(9, len(data) - cut)])
     out = tmp_path / "out"
-    assert extract_main(_extract_argv(target, dataset, out)) == 2
+    assert extract_main(cpu_extract_argv(target, dataset, out)) == 2
     line = one_error_line(capsys.readouterr().err, "dflash-extract")
     assert str(weights) in line and ("cut short" in line or "not a safetensors file" in line), line
     assert not out.exists()  # refused before --out was claimed: no .dflash, .lock or manifest left

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 import torch
 from common.datasets import write_arrow
-from common.extract import tiny_rows, write_dataset
+from common.extract import cpu_extract_argv, tiny_rows, write_dataset
 from common.hostile import one_error_line, tree_snapshot
 from common.targets import make_target
 from dflash.extract.cli import main as extract_main
@@ -40,13 +40,6 @@ def dataset(tmp_path_factory: pytest.TempPathFactory, rows: list) -> Path:
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_target(tmp_path_factory.mktemp("t"), "qwen3")
-
-
-def _argv(target: Path, dataset: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--target", str(target), "--dataset", str(dataset), "--out", str(out), "--layers", "0,1,2",
-        "--device", "cpu", "--dtype", "float32", "--token-budget", "256", "--max-len", "32", "--json", *extra,
-    ]  # fmt: skip
 
 
 def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -98,7 +91,9 @@ def test_nonfinite_states_stop_extraction_naming_row_and_layer(
     tmp_path, capsys, dataset, qwen3, device, codec
 ) -> None:
     target = _poisoned_target(qwen3, tmp_path / "inf_target", None)
-    line = _refused(capsys, _argv(target, dataset, tmp_path / "cache", *_device_args(device, codec)))
+    line = _refused(
+        capsys, cpu_extract_argv(target, dataset, tmp_path / "cache", *_device_args(device, codec))
+    )
     assert "the target produced non-finite hidden states (layer 0:" in line and "--on-nonfinite skip" in line
     assert (
         not (tmp_path / "cache" / "manifest.json").exists() or not load_manifest(tmp_path / "cache").complete
@@ -110,7 +105,7 @@ def test_nonfinite_rows_skipped_and_counted(tmp_path, capsys, rows, dataset, qwe
     token, poisoned = _rare_token(rows)
     target = _poisoned_target(qwen3, tmp_path / "inf_row", token)
     out = tmp_path / "cache"
-    argv = _argv(target, dataset, out, "--on-nonfinite", "skip", *_device_args(device, codec))
+    argv = cpu_extract_argv(target, dataset, out, "--on-nonfinite", "skip", *_device_args(device, codec))
     assert extract_main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     manifest = load_manifest(out)
@@ -131,7 +126,9 @@ def test_planted_lock_link_is_not_followed(tmp_path, capsys, dataset, qwen3) -> 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     (out / ".lock").symlink_to(victim)
-    assert "is a symbolic link: refusing to write through it" in _refused(capsys, _argv(qwen3, dataset, out))
+    assert "is a symbolic link: refusing to write through it" in _refused(
+        capsys, cpu_extract_argv(qwen3, dataset, out)
+    )
     assert victim.read_text() == "precious\n"
 
 
@@ -161,7 +158,7 @@ def _only_dotfiles(root: Path) -> Path:
 def test_foreign_out_is_refused_untouched(tmp_path, capsys, dataset, qwen3, make, message) -> None:
     out = make(tmp_path / "out")
     before = tree_snapshot(out)
-    rc = extract_main(_argv(qwen3, dataset, out))
+    rc = extract_main(cpu_extract_argv(qwen3, dataset, out))
     assert tree_snapshot(out) == before  # nothing deleted, no .lock left behind
     assert rc == 2 and message in one_error_line(capsys.readouterr().err, PROG)
 
@@ -169,11 +166,11 @@ def test_foreign_out_is_refused_untouched(tmp_path, capsys, dataset, qwen3, make
 def test_out_equal_to_dataset_or_a_file(tmp_path, capsys, qwen3, rows) -> None:
     dataset = write_dataset(tmp_path / "ds", rows)
     before = tree_snapshot(dataset)
-    assert "was not written by dflash" in _refused(capsys, _argv(qwen3, dataset, dataset))
+    assert "was not written by dflash" in _refused(capsys, cpu_extract_argv(qwen3, dataset, dataset))
     assert tree_snapshot(dataset) == before
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
-    assert "is a regular file, not a directory" in _refused(capsys, _argv(qwen3, dataset, notes))
+    assert "is a regular file, not a directory" in _refused(capsys, cpu_extract_argv(qwen3, dataset, notes))
     assert notes.read_text() == "mine"
 
 
@@ -185,7 +182,7 @@ def test_disk_full_writing_frozen_parts_is_one_line(tmp_path, capsys, dataset, q
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(tensor_io, "save_file", full)
-    line = _refused(capsys, _argv(qwen3, dataset, tmp_path / "cache"))
+    line = _refused(capsys, cpu_extract_argv(qwen3, dataset, tmp_path / "cache"))
     assert "frozen.safetensors: no space left on device" in line and "re-run the same command" in line
 
 
@@ -199,14 +196,14 @@ def test_malformed_target_config_is_one_line(tmp_path, capsys, dataset, qwen3, c
         config = json.loads((target / "config.json").read_text())
         del config["num_hidden_layers"]
     (target / "config.json").write_text(json.dumps(config))
-    assert message in _refused(capsys, _argv(target, dataset, tmp_path / "cache"))
+    assert message in _refused(capsys, cpu_extract_argv(target, dataset, tmp_path / "cache"))
 
 
 def test_mixed_schema_dataset_is_one_line(tmp_path, capsys, rows, qwen3) -> None:
     mixed = tmp_path / "mixed"
     write_arrow(rows[:6], mixed / "a.arrow")
     write_arrow(rows[6:], mixed / "b.arrow", ids_type=pa.int64())
-    line = _refused(capsys, _argv(qwen3, mixed, tmp_path / "cache"))
+    line = _refused(capsys, cpu_extract_argv(qwen3, mixed, tmp_path / "cache"))
     assert "b.arrow: schema differs from a.arrow (input_ids: list<item: int64> vs list<item: int32>)" in line
 
 
@@ -217,10 +214,10 @@ def test_empty_dataset_is_an_error_unless_allowed(tmp_path, capsys, qwen3) -> No
     nothing = [(np.arange(3, 9), np.zeros(6, np.int64))] * 3  # rows without a supervised token: all skipped
     dataset = write_dataset(tmp_path / "ds", nothing)
     out = tmp_path / "cache"
-    line = _refused(capsys, _argv(qwen3, dataset, out))
+    line = _refused(capsys, cpu_extract_argv(qwen3, dataset, out))
     assert "no row to extract (3 rows, 3 skipped" in line and "--allow-empty" in line
     assert not out.exists()
-    assert extract_main(_argv(qwen3, dataset, out, "--allow-empty")) == 0
+    assert extract_main(cpu_extract_argv(qwen3, dataset, out, "--allow-empty")) == 0
     with Cache.open(out) as cache:
         assert cache.entries() == [] and verify_cache(cache, dataset_rows=3).ok
 
@@ -230,18 +227,20 @@ def test_empty_dataset_is_an_error_unless_allowed(tmp_path, capsys, qwen3) -> No
 
 def test_resume_with_the_target_path_spelled_otherwise(tmp_path, capsys, dataset, qwen3, monkeypatch) -> None:
     out = tmp_path / "cache"
-    assert extract_main(_argv(qwen3, dataset, out)) == 0
+    assert extract_main(cpu_extract_argv(qwen3, dataset, out)) == 0
     monkeypatch.chdir(qwen3.parent)
-    assert extract_main(_argv(Path(qwen3.name), dataset, out)) == 0  # relative: same target, same cache
+    assert (
+        extract_main(cpu_extract_argv(Path(qwen3.name), dataset, out)) == 0
+    )  # relative: same target, same cache
     capsys.readouterr()
     other = make_target(tmp_path / "other", "qwen3", seed=1)  # same config.json, other weights
-    line = _refused(capsys, _argv(other, dataset, out))
+    line = _refused(capsys, cpu_extract_argv(other, dataset, out))
     assert "resume refused" in line and "target.weights_sha256" in line and "name_or_path" not in line
 
 
 def test_a_dataset_retokenized_to_the_same_lengths_is_caught(tmp_path, capsys, rows, dataset, qwen3) -> None:
     out = tmp_path / "cache"
-    assert extract_main(_argv(qwen3, dataset, out)) == 0
+    assert extract_main(cpu_extract_argv(qwen3, dataset, out)) == 0
     capsys.readouterr()
     # Same rows, lengths, masks, dtypes and file sizes; other token ids in the first rows.
     changed = [((ids + 1) % 200 if r < 4 else ids, mask) for r, (ids, mask) in enumerate(rows)]
@@ -251,7 +250,7 @@ def test_a_dataset_retokenized_to_the_same_lengths_is_caught(tmp_path, capsys, r
     )
     shards = lambda: {k: v for k, v in tree_snapshot(out).items() if k != ".lock"}  # noqa: E731
     before = shards()
-    line = _refused(capsys, _argv(qwen3, other, out))
+    line = _refused(capsys, cpu_extract_argv(qwen3, other, out))
     assert "resume refused" in line and "dataset.tokens_xxh3" in line
     assert shards() == before  # the cache is left as it was (only the run lock was taken and given back)
     assert shards_main(["verify", str(out), "--dataset", str(dataset)]) == 0
@@ -275,7 +274,7 @@ def test_state_json_may_not_point_outside(tmp_path, capsys, rows, qwen3, where) 
     state = json.loads((dataset / "state.json").read_text())
     state["_data_files"][0]["filename"] = name
     (dataset / "state.json").write_text(json.dumps(state))
-    line = _refused(capsys, _argv(qwen3, dataset, tmp_path / "cache"))
+    line = _refused(capsys, cpu_extract_argv(qwen3, dataset, tmp_path / "cache"))
     assert f"state.json: {name!r} points outside the dataset directory" in line
     assert not (tmp_path / "cache").exists()
 
@@ -285,7 +284,7 @@ def test_dataset_dict_split_may_not_point_outside(tmp_path, capsys, rows, qwen3)
     ddict = tmp_path / "ddict"
     ddict.mkdir()
     (ddict / "dataset_dict.json").write_text(json.dumps({"splits": ["../elsewhere/dataset"]}))
-    line = _refused(capsys, _argv(qwen3, ddict, tmp_path / "cache"))
+    line = _refused(capsys, cpu_extract_argv(qwen3, ddict, tmp_path / "cache"))
     assert "dataset_dict.json: '../elsewhere/dataset' points outside the dataset directory" in line
 
 

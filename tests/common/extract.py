@@ -21,6 +21,14 @@ def tiny_rows(n: int = 24, *, seed: int = 0, max_len: int = 40) -> list[tuple[np
     return make_rows(n, seed=seed, min_len=1, max_len=max_len, vocab=256, empty=(3,), unsupervised=(5,))
 
 
+def cpu_extract_argv(target: Path, dataset: Path, out: Path, *extra: str) -> list[str]:
+    """`dflash-extract` arguments for a tiny fp32 CPU extraction of layers 0-2 (hostile-input tests)."""
+    return [
+        "--target", str(target), "--dataset", str(dataset), "--out", str(out), "--layers", "0,1,2",
+        "--device", "cpu", "--dtype", "float32", "--token-budget", "256", "--max-len", "32", "--json", *extra,
+    ]  # fmt: skip
+
+
 def write_dataset(root: Path, rows: list, *, rows_per_batch: int = 7) -> Path:
     """save_to_disk layout with several record batches (multi-chunk)."""
     return write_save_to_disk(rows, Path(root) / "dataset", num_files=2, rows_per_batch=rows_per_batch)

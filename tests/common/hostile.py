@@ -141,9 +141,12 @@ def run_measured(argv: Sequence[str], cwd: Path | None = None, timeout: float = 
 
 def cli(module: str, *args: str) -> list[str]:
     """argv for `run_measured`: `module.main(args)` that prints its own peak RSS (KB) last on stderr."""
+    # VmHWM, not getrusage's ru_maxrss: Linux carries the peak of the pre-exec memory (the forking pytest
+    # worker's copy, ~1 GB late in a full run) into ru_maxrss across execve; VmHWM is this program's own.
     code = (
-        f"import resource, sys; from {module} import main; rc = main(sys.argv[1:]); "
-        "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)"
+        f"import re, sys; from {module} import main; rc = main(sys.argv[1:]); "
+        "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1); "
+        "print('RSS', hwm, file=sys.stderr); sys.exit(rc)"
     )
     return ["-c", code, *args]
 

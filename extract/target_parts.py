@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from dflash.shards.errors import ShardError
 from dflash.shards.safe_io import read_json
-from dflash.shards.target_config import CONFIG_NAME, read_target_config
+from dflash.shards.target_config import CONFIG_NAME, TargetConfig, read_target_config
 from dflash.shards.target_parts import EMBED_KEY, EXTRA_FILES, FINAL_NORM_KEY, LM_HEAD_KEY
 from dflash.shards.target_parts import write_target_parts as write_parts
 from safetensors import SafetensorError, safe_open
@@ -85,6 +85,13 @@ def read_frozen(
     target: str | Path, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(embed_tokens, lm_head) read from the checkpoint by name, in `dtype`; lm_head is None when tied."""
+    tensors = frozen_tensors(target, dtype)
+    return tensors[EMBED_KEY], tensors.get(LM_HEAD_KEY)
+
+
+def frozen_tensors(target: str | Path, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """What CACHE/target/frozen.safetensors stores, by its key names, read from the checkpoint by tensor
+    name: the embedding and (untied) lm_head in `dtype`, and the final norm's gain when its kind is known."""
     target = Path(target)
     config = read_target_config(target)
     weights = _weight_map(target)
@@ -93,51 +100,37 @@ def read_frozen(
         raise ShardError(
             f"target {target}: no embed_tokens weight among {len(weights)} tensors (tried {EMBED_NAMES})"
         )
-    embed = _read(weights, embed_name).to(dtype)
-    if config.tie_word_embeddings:
-        return embed, None
-    head_name = _find(weights, LM_HEAD_NAMES, "lm_head.weight")
-    if head_name is None:
-        raise ShardError(
-            f"target {target}: tie_word_embeddings is false but the checkpoint has no lm_head weight "
-            f"(tried {LM_HEAD_NAMES})"
-        )
-    head = _read(weights, head_name).to(dtype)
-    if head.shape != embed.shape:
-        raise ShardError(
-            f"target {target}: lm_head {tuple(head.shape)} and embed_tokens {tuple(embed.shape)} differ"
-        )
-    return embed, head
-
-
-def read_final_norm_gain(target: str | Path) -> torch.Tensor | None:
-    """The final RMSNorm's effective gain [H] in fp32 (weight, or 1 + weight for zero-centred norms), or
-    None for a model type whose norm is not known here or a checkpoint without the tensor: distillation then
-    refuses at training time, nothing else needs it."""
-    target = Path(target)
-    config = read_target_config(target)
-    text_type = str(config.decoder.get("model_type", config.model_type))
-    if text_type not in KNOWN_NORMS and config.model_type not in KNOWN_NORMS:
-        return None
-    weights = _weight_map(target)
-    name = next((n for n in FINAL_NORM_NAMES if n in weights), None)
-    if name is None:
-        return None
-    weight = _read(weights, name).float()
-    centred = text_type in ZERO_CENTRED_NORMS or config.model_type in ZERO_CENTRED_NORMS
-    return 1.0 + weight if centred else weight
-
-
-def frozen_tensors(target: str | Path, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """What CACHE/target/frozen.safetensors stores, by its key names."""
-    embed, head = read_frozen(target, dtype)
-    tensors = {EMBED_KEY: embed}
-    if head is not None:
+    tensors = {EMBED_KEY: _read(weights, embed_name).to(dtype)}
+    if not config.tie_word_embeddings:
+        head_name = _find(weights, LM_HEAD_NAMES, "lm_head.weight")
+        if head_name is None:
+            raise ShardError(
+                f"target {target}: tie_word_embeddings is false but the checkpoint has no lm_head weight "
+                f"(tried {LM_HEAD_NAMES})"
+            )
+        head = _read(weights, head_name).to(dtype)
+        if head.shape != tensors[EMBED_KEY].shape:
+            raise ShardError(
+                f"target {target}: lm_head {tuple(head.shape)} and embed_tokens "
+                f"{tuple(tensors[EMBED_KEY].shape)} differ"
+            )
         tensors[LM_HEAD_KEY] = head
-    gain = read_final_norm_gain(target)
+    gain = _final_norm_gain(config, weights)
     if gain is not None:
         tensors[FINAL_NORM_KEY] = gain
     return tensors
+
+
+def _final_norm_gain(config: TargetConfig, weights: Mapping[str, Path]) -> torch.Tensor | None:
+    """The final RMSNorm's effective gain [H] in fp32 (weight, or 1 + weight for zero-centred norms), or
+    None for a model type whose norm is not known here or a checkpoint without the tensor: distillation then
+    refuses at training time, nothing else needs it."""
+    types = {config.model_type, str(config.decoder.get("model_type", config.model_type))}
+    name = next((n for n in FINAL_NORM_NAMES if n in weights), None)
+    if not types & KNOWN_NORMS or name is None:
+        return None
+    weight = _read(weights, name).float()
+    return 1.0 + weight if types & ZERO_CENTRED_NORMS else weight
 
 
 def write_target_parts(

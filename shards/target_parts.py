@@ -105,15 +105,15 @@ def write_target_parts(
             log.warning("%s holds another target's parts; replacing them", final)
         elif recorded:
             damaged = target_file_problems(final, recorded)
-            if not damaged and FINAL_NORM_KEY not in _shapes(final / FROZEN_NAME):
-                log.info("%s: adding the final norm's gain (distillation needs it)", final)
-            elif not damaged:
-                check_target_parts(cache_dir)
-                return dict(recorded)
-            else:
+            if damaged:
                 log.warning(
                     "%s: %s differ from the manifest's record; rewriting them", final, ", ".join(damaged)
                 )
+            elif FINAL_NORM_KEY not in _shapes(final / FROZEN_NAME):
+                log.info("%s: adding the final norm's gain (distillation needs it)", final)
+            else:
+                check_target_parts(cache_dir)
+                return dict(recorded)
     unknown = sorted(set(extra_files) - set(EXTRA_FILES))
     if unknown:
         raise ValueError(f"not target part names: {unknown} (known: {', '.join(EXTRA_FILES)})")

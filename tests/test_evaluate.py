@@ -62,11 +62,17 @@ def _first_eval_batch(cache_dir: Path) -> tuple:
     return spec, frozen, _model(frozen), samples
 
 
+def _walk_batch(model, frozen, samples, spec) -> list[int]:
+    """The evaluation's decode walk over one batch of samples: their anchors drafted together, walked in order."""
+    on_host = evaluate_mod._accepted_on_host(model, frozen, samples, spec, device=torch.device("cpu"))
+    return evaluate_mod._walks(samples, on_host)
+
+
 @torch.no_grad()
 def test_walk_over_several_samples_equals_each_block_drafted_alone(cache_dir: Path) -> None:
     spec, frozen, model, samples = _first_eval_batch(cache_dir)
     assert len(samples) >= 3
-    batched = evaluate_mod._walk_batch(model, frozen, samples, spec, device=torch.device("cpu"))
+    batched = _walk_batch(model, frozen, samples, spec)
     expected = [a for s in samples for a in _walk_anchor_by_anchor(model, frozen, s, spec)]
     assert batched == expected
     assert len(expected) > len(samples)  # several decode steps per sample: the order within each one counts
@@ -93,7 +99,7 @@ def test_a_flex_failure_in_the_walk_leaves_training_on_flex(cache_dir: Path, mon
         return run
 
     monkeypatch.setattr(mask_module, "_flex_attention", lowering_fails)
-    walked = evaluate_mod._walk_batch(model, frozen, samples, spec, device=torch.device("cpu"))
+    walked = _walk_batch(model, frozen, samples, spec)
     assert walked == expected  # the walk itself fell back to dense SDPA: same decode steps
     assert mask_module.flex_failure("decode walk") == "RuntimeError: LoweringException: walk shape"
     assert mask_module.flex_failure("train") is None  # training's batches still get FlexAttention

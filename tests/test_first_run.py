@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from common.datasets import write_ones_stream
 from common.fake_cache import write_fake_cache
 from common.synth import make_cache
 from common.train_cli import tiny_train_argv
@@ -260,19 +261,8 @@ def test_verify_with_the_dataset_says_what_it_accounted_for(extracted: dict, cap
 
 def test_verify_text_with_an_older_manifests_fingerprint(tmp_path: Path, capsys) -> None:
     """A manifest that records only the dataset's row count: the line says what was compared."""
-    import pyarrow as pa
-
     make_cache(tmp_path / "c", [4, 5, 6], rows_per_shard=2, skipped=((3, "empty"),))
-    ds = tmp_path / "ds"
-    ds.mkdir()
-    table = pa.table(
-        {"input_ids": [[1] * n for n in (4, 5, 6, 0)], "loss_mask": [[1] * n for n in (4, 5, 6, 0)]}
-    )
-    with (
-        pa.OSFile(str(ds / "data-00000-of-00001.arrow"), "wb") as sink,
-        pa.ipc.new_stream(sink, table.schema) as w,
-    ):
-        w.write_table(table)
+    ds = write_ones_stream(tmp_path / "ds", [4, 5, 6, 0])
     assert shards_main(["verify", str(tmp_path / "c"), "--dataset", str(ds)]) == 1  # 4 rows, manifest 3
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == (

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
+from common.datasets import write_ones_stream
 from common.synth import make_cache
 from dflash.shards import shard_name
 from dflash.tools.shards_cli import main
@@ -82,16 +82,7 @@ def test_verify_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 def test_verify_against_a_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_cache(tmp_path / "c", [4, 5, 6], rows_per_shard=2)
-    ds = tmp_path / "ds"
-    ds.mkdir()
-    table = pa.table(
-        {"input_ids": [[1] * n for n in (4, 5, 6, 7)], "loss_mask": [[1] * n for n in (4, 5, 6, 7)]}
-    )
-    with (
-        pa.OSFile(str(ds / "data-00000-of-00001.arrow"), "wb") as sink,
-        pa.ipc.new_stream(sink, table.schema) as w,
-    ):
-        w.write_table(table)
+    ds = write_ones_stream(tmp_path / "ds", [4, 5, 6, 7])
     d = _json(capsys, ["verify", str(tmp_path / "c"), "--dataset", str(ds), "--json"], rc=1)
     assert d["problems"] == [
         "the dataset's row count differs from the dataset this cache was extracted from "

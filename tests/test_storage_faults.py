@@ -227,7 +227,7 @@ def test_training_sigkill_then_resume_from_s3_reproduces_the_losses(s3, tmp_path
 
     from tests.common.fake_cache import write_fake_cache
     from tests.common.s3 import upload_dir
-    from tests.common.train_cli import KILLER, tiny_train_argv
+    from tests.common.train_cli import tiny_train_argv, train_killed_at, train_resumed
 
     local = write_fake_cache(tmp_path / "cache", num_samples=24, samples_per_shard=6)
     bucket = s3.new_bucket()
@@ -237,20 +237,9 @@ def test_training_sigkill_then_resume_from_s3_reproduces_the_losses(s3, tmp_path
     assert train_main(tiny_train_argv(local, tmp_path / "reference", *flags)) == 0
     run = tmp_path / "run"
     argv = tiny_train_argv(f"s3://{bucket}/c", run, *flags)  # type: ignore[arg-type]
-    env = {**os.environ, "KILL_AT_STEP": "4", "PYTHONPATH": str(REPO)}
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLER, *argv], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert killed.returncode == -9, killed.stderr[-2000:]
+    train_killed_at(argv, 4)
     assert [r["step"] for r in read_metrics(run)][-1] == 4
-    resumed = subprocess.run(
-        [sys.executable, "-m", "dflash.train.cli", *argv, "--resume"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    train_resumed(argv)
 
     def trajectory(path: Path) -> list[tuple]:
         return [(r["step"], r["loss"], r["lr"], r["grad_norm"], r.get("tau")) for r in read_metrics(path)]

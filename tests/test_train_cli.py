@@ -133,7 +133,8 @@ def test_distill_trains_from_the_cached_last_layer_or_says_what_it_lacks(tmp_pat
     assert all(np.isfinite(r["loss"]) for r in read_metrics(tmp_path / "run"))
     # The teacher (last) layer need not be a feature: it is read beside them.
     argv = tiny_train_argv(cache, tmp_path / "r2", *common, "--distill", "0.5", "--target-layer-ids", "1,2")
-    assert cli.main(argv) == 0
+    assert cli.main([*argv, "--eval-every", "2"]) == 0
+    assert any("tau" in r for r in read_metrics(tmp_path / "r2"))  # evaluation reads the features alone
     assert cli.main(["export", str(tmp_path / "r2"), "--out", str(tmp_path / "e2")]) == 0
     assert load_drafter(tmp_path / "e2").config.target_layer_ids == (1, 2)  # the teacher stays out
     small = write_fake_cache(tmp_path / "c3", num_samples=20, samples_per_shard=10, layers=(0, 1, 2))

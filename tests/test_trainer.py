@@ -5,9 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,9 +22,7 @@ from dflash.train.startup import PHASES
 from dflash.train.trainer import Trainer, train
 
 from tests.common.fake_cache import write_fake_cache
-from tests.common.train_cli import KILLER
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.common.train_cli import train_killed_at, train_resumed
 
 
 @pytest.fixture(scope="module")
@@ -182,25 +177,10 @@ def test_kill9_then_resume_reproduces_the_losses_exactly(cache_dir: Path, tmp_pa
         )
     )
     run = tmp_path / "run"
-    env = {**os.environ, "KILL_AT_STEP": "8", "PYTHONPATH": str(REPO)}
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLER, *flags, "--out", str(run)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert killed.returncode == -9, killed.stderr[-2000:]
+    train_killed_at([*flags, "--out", str(run)], 8)
     assert [r["step"] for r in read_metrics(run)][-1] == 8  # it died after step 8, checkpoint at 5
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [5]
-    resumed = subprocess.run(
-        [sys.executable, "-m", "dflash.train.cli", *flags, "--out", str(run), "--resume"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    train_resumed([*flags, "--out", str(run)])
 
     def trajectory(path: Path) -> list[tuple]:
         return [

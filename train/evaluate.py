@@ -226,18 +226,6 @@ def _summary(
     return {k: v for k, v in result.items() if not (isinstance(v, float) and math.isnan(v))}
 
 
-def _walk_batch(
-    model: DFlashDrafter,
-    frozen: FrozenTarget,
-    samples: Sequence[Sample],
-    spec: DataSpec,
-    *,
-    device: torch.device,
-) -> list[int]:
-    """A per decode step of each sequence, in order: blocks at every eligible anchor, then the greedy walk."""
-    return _walks(samples, _accepted_on_host(model, frozen, samples, spec, device=device))
-
-
 def _walks(samples: Sequence[Sample], accepted: Sequence[torch.Tensor]) -> list[int]:
     """The decode walk of each sample over its per-position accepted lengths, concatenated in order. Anchors
     with no drafted slot in the response (a+1 outside it) never occur in a walk."""

@@ -15,7 +15,7 @@ Public API (stable):
         multiplies the batch's weights slot by slot (`slot_weights.ReachWeights`).
     Distill(alpha, feature_index): distillation from the target's own next-token distribution. The label of
         each drafted slot becomes (1 - alpha) * onehot(token) + alpha * softmax(target logits), the target's
-        logits computed from its cached last layer (the `feature_index`-th feature of the batch) through its
+        logits computed from its cached last layer (the `feature_index`-th layer of the batch) through its
         final norm and lm_head: slot k of the block at anchor a reads the target's state at a + k - 1, the
         position whose output token is x[a + k]. alpha = 1 is soft cross-entropy (KL to the target plus its
         entropy, so its loss is not comparable with hard CE); statistics stay those of the hard labels.
@@ -244,7 +244,8 @@ class LossStats:
 @dataclass(frozen=True, slots=True)
 class Distill:
     """Distillation from the target's distribution: `alpha` of it in each label (see the module docstring);
-    the target's last layer is feature `feature_index` of the batch (its place in target_layer_ids)."""
+    the target's last layer is feature `feature_index` of the batch (its place in the data spec's layer_ids,
+    after the drafter's own features when it is not one of them)."""
 
     alpha: float
     feature_index: int
@@ -252,16 +253,14 @@ class Distill:
 
 def teacher_rows(batch: PackedBatch) -> torch.Tensor:
     """[N, B-1] context rows holding the target state at a + k - 1 for slot k >= 1 of each block (clamped
-    into the sequence for padding blocks and slots past its end, whose weights are 0)."""
-    seqs = int(batch.context_seq.max()) + 1 if batch.context_seq.numel() else 1
-    starts = torch.searchsorted(batch.context_seq, torch.arange(seqs, device=batch.context_seq.device))
-    ends = torch.searchsorted(
-        batch.context_seq, torch.arange(seqs, device=batch.context_seq.device), right=True
-    )
+    into the sequence for padding blocks and slots past its end, whose weights are 0). Sequences' rows are
+    contiguous and sorted (`PackedBatch`), so each block's sequence bounds are two binary searches: no host
+    sync."""
     seq = batch.block_seq.clamp_min(0)
+    start = torch.searchsorted(batch.context_seq, seq)
+    last = torch.searchsorted(batch.context_seq, seq, right=True) - 1
     slots = torch.arange(batch.block_size - 1, device=seq.device)
-    rows = starts[seq][:, None] + batch.anchor_pos[:, None] + slots
-    return torch.minimum(rows, (ends[seq] - 1)[:, None])
+    return torch.minimum((start + batch.anchor_pos)[:, None] + slots, last[:, None])
 
 
 def drafter_loss(

@@ -95,6 +95,8 @@ class Trainer:
     ) -> None:
         self.cfg, self.info, self.cache, self.frozen = cfg, info, cache, frozen
         self.drafter_cfg, self.spec = drafter_cfg, spec
+        # Evaluation reads the drafter's own features only: distillation's teacher layer is for the loss.
+        self.eval_spec = dataclasses.replace(spec, layer_ids=drafter_cfg.target_layer_ids)
         self.run_dir = Path(cfg.out)
         self.run_lock: FileLock | None = None  # RUN/.lock, held by rank 0 from `build` to `close`
         self.startup = startup or StartupClock()  # this launch's set-up, timed to the end of its first step
@@ -250,9 +252,9 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Held-out metrics (rank 0 only: the other ranks wait at the caller's barrier)."""
         if self.eval_set is None:
-            self.eval_set = build_eval_set(self.cache, self.spec)
+            self.eval_set = build_eval_set(self.cache, self.eval_spec)
         return evaluate(
-            self.model, self.frozen, self.cache, self.eval_set, self.spec, device=self.info.device
+            self.model, self.frozen, self.cache, self.eval_set, self.eval_spec, device=self.info.device
         )
 
     def save(

@@ -190,3 +190,18 @@ def write_target_config(
         config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], **text}
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def write_ones_stream(path: Path, lengths: list[int]) -> Path:
+    """A dataset folder holding one bare Arrow IPC stream (no state.json): rows of `lengths` ones, loss mask all
+    ones. The smallest thing `verify --dataset` reads."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rows = [[1] * n for n in lengths]
+    table = pa.table({"input_ids": rows, "loss_mask": rows})
+    with (
+        pa.OSFile(str(path / "data-00000-of-00001.arrow"), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema) as w,
+    ):
+        w.write_table(table)
+    return path

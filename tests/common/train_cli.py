@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_train_argv(cache: Path, out: Path, *options: str) -> list[str]:
@@ -31,3 +36,25 @@ KILLER = textwrap.dedent("""
     from dflash.train.cli import main
     sys.exit(main(sys.argv[1:]))
 """)
+
+
+def _child(command: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def train_killed_at(argv: Sequence[str], step: int) -> None:
+    """`dflash-train argv` in a child that SIGKILLs itself once step `step` is logged."""
+    killed = _child([sys.executable, "-c", KILLER, *argv], KILL_AT_STEP=str(step))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+
+
+def train_resumed(argv: Sequence[str]) -> None:
+    """`dflash-train argv --resume` in a child, to its end."""
+    resumed = _child([sys.executable, "-m", "dflash.train.cli", *argv, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -236,6 +236,7 @@ def _train_target(
     rng = np.random.default_rng(seed)
     config = target_config(spec, tokenizer)
     model = target_model(config).to(device)
+    delta_rule = torch_delta_rule_for_training(model) if device == "cuda" else None
     model.train()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda" or None
@@ -260,6 +261,9 @@ def _train_target(
         optimizer.step()
         if step % 50 == 0 or step == spec.steps - 1:
             losses.append((step, float(loss.detach())))
+        if step % 500 == 499:  # a detached run's log says how far the target is (bench/quality_targets.sh)
+            print(f"[target] step {step + 1}/{spec.steps}, loss {losses[-1][1]:.3f}, "
+                  f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
     seconds = time.perf_counter() - start
     model.eval()
     model.generation_config.do_sample = False
@@ -274,7 +278,29 @@ def _train_target(
         "seconds": round(seconds, 1),
         "spec": asdict(spec),
     }
+    if delta_rule:
+        info["delta_rule_in_training"] = delta_rule
     return info
+
+
+def torch_delta_rule_for_training(model: Any) -> str | None:
+    """Trains a Gated DeltaNet target through transformers' torch chunked delta rule instead of FLA's kernel.
+
+    FLA 0.6.0 refuses the gated delta rule's backward on Hopper with Triton 3.4-3.7.0 (wrong gradients, its
+    issue #640), and the GPU machine's torch 2.11 comes with Triton 3.6. Only the target's own training runs
+    a backward: generation and `dflash-extract` (forward only) keep FLA's kernels. Returns what the layers
+    ran, for the report; None for a model without delta-rule layers."""
+    import sys
+
+    swapped = 0
+    for module in model.modules():
+        if callable(getattr(module, "chunk_gated_delta_rule", None)):
+            fallback = getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule", None)
+            if fallback is None:
+                raise RuntimeError(f"{type(module).__module__} has no torch_chunk_gated_delta_rule to train with")
+            module.chunk_gated_delta_rule = fallback
+            swapped += 1
+    return f"torch_chunk_gated_delta_rule in {swapped} layers" if swapped else None
 
 
 # --- greedy continuations ---------------------------------------------------------------------------------

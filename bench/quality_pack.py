@@ -16,8 +16,8 @@ def target_work(work: Path, kind: str) -> Path:
     return work if kind == "code" else work / kind
 
 
-def pack(work: Path, dest: Path, part_bytes: int = 15 * 2**20, kind: str = "code") -> list[Path]:
-    """target/ and data/ as tar parts small enough to travel back from a GPU machine."""
+def pack(work: Path, dest: Path, part_bytes: int = 16 * 2**20 - 2**16, kind: str = "code") -> list[Path]:
+    """target/ and data/ as tar parts small enough to travel back from a GPU machine (16 MiB a file)."""
     import tarfile
 
     dest.mkdir(parents=True, exist_ok=True)

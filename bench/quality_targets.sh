@@ -6,8 +6,10 @@
 #   bash bench/quality_targets.sh poll W SECONDS [DEST]   # progress every 30 s; reports copied to DEST
 #
 # `start` runs `bench/bench_quality.py --target T --work W/T FLAGS` for each target T under setsid (its log:
-# W/T.log). `poll` prints each target's phase and each run's last metrics line until every target has
-# written its report or SECONDS pass, then copies each target's quality.json and the logs' tails into DEST.
+# W/T.log, ending in `== exit CODE`); `start` again with other targets and flags adds to the same W. `poll`
+# prints each target's phase and each run's last metrics line until every target's run has ended or SECONDS
+# pass, then copies into DEST each target's quality.json, its log's tail and every evaluation its runs logged
+# (T-evals.txt: one metrics line per evaluation, after the run's name).
 set -u
 cmd=${1:?start or poll}
 work=${2:?work folder}
@@ -17,7 +19,9 @@ start)
   shift 3
   mkdir -p "$work"
   for t in $targets; do
-    setsid nohup python3 bench/bench_quality.py --target "$t" --work "$work/$t" "$@" >"$work/$t.log" 2>&1 &
+    # the log's last line says the run ended and how (`poll` stops when every target's log has it)
+    setsid nohup bash -c 'python3 bench/bench_quality.py "$@"; echo "== exit $?"' _ \
+      --target "$t" --work "$work/$t" "$@" >"$work/$t.log" 2>&1 &
     echo "started $t (log $work/$t.log)"
   done
   ;;
@@ -29,7 +33,7 @@ poll)
     pending=0
     for log in "$work"/*.log; do
       t=$(basename "$log" .log)
-      if ! grep -q "^phases (s):" "$log" 2>/dev/null; then pending=$((pending + 1)); fi
+      if ! grep -q "^== exit" "$log" 2>/dev/null; then pending=$((pending + 1)); fi
       echo "== $t: $(grep -E '^\[' "$log" | tail -n 1)"
       for m in $(find "$work/$t" -name metrics.jsonl 2>/dev/null | sort); do
         line=$(grep '"tau_walk"' "$m" | tail -n 1)
@@ -55,6 +59,11 @@ EOF
       tail -n 60 "$log" >"$dest/$t.log.tail"
       q=$(find "$work/$t" -name quality.json 2>/dev/null | head -n 1)
       if [ -n "$q" ]; then cp "$q" "$dest/$t-quality.json"; fi
+      # every evaluation every run logged, so a call cut before the report still brings its numbers back
+      evals=$(for m in $(find "$work/$t" -name metrics.jsonl 2>/dev/null | sort); do
+        grep '"tau_walk"' "$m" | sed "s|^|$(basename "$(dirname "$m")") |"
+      done)
+      if [ -n "$evals" ]; then echo "$evals" >"$dest/$t-evals.txt"; fi
     done
   fi
   ;;

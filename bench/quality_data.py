@@ -297,7 +297,9 @@ def torch_delta_rule_for_training(model: Any) -> str | None:
         if callable(getattr(module, "chunk_gated_delta_rule", None)):
             fallback = getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule", None)
             if fallback is None:
-                raise RuntimeError(f"{type(module).__module__} has no torch_chunk_gated_delta_rule to train with")
+                raise RuntimeError(
+                    f"{type(module).__module__} has no torch_chunk_gated_delta_rule to train with"
+                )
             module.chunk_gated_delta_rule = fallback
             swapped += 1
     return f"torch_chunk_gated_delta_rule in {swapped} layers" if swapped else None

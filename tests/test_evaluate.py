@@ -16,7 +16,7 @@ from dflash.train.data_spec import DataSpec
 from dflash.train.evaluate import build_eval_set, evaluate
 from dflash.train.frozen import load_frozen_target
 from dflash.train.lookup import lookup_accepted
-from dflash.train.lookup_split import CLASSES
+from dflash.train.lookup_split import CLASSES, span_room
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
 from tests.common.fake_cache import write_fake_cache
@@ -134,10 +134,12 @@ def test_evaluation_readers_run_torch_on_one_thread_and_report_their_time(
 
 
 def _synthetic_accepted_at(model, frozen, sample, spec, *, device) -> torch.Tensor:
-    """A drafter whose A varies with the anchor (0..B-1), so every class sees short and whole blocks."""
+    """A drafter whose A varies with the anchor (0..B-1, at most the slots its span leaves), so every class
+    sees short and whole blocks."""
     accepted_at = torch.full((sample.length,), -1, dtype=torch.long)
     anchors = eligible_anchors(sample.loss_mask)
-    accepted_at[anchors] = (anchors * 5 + 1) % spec.block_size
+    room = torch.from_numpy(span_room(sample.loss_mask.numpy(), spec.block_size))
+    accepted_at[anchors] = torch.minimum((anchors * 5 + 1) % spec.block_size, room[anchors])
     return accepted_at
 
 
@@ -167,23 +169,24 @@ def test_evaluation_splits_the_drafter_by_what_lookup_accepts_and_walks_their_ma
     }
     # The reference: every eligible anchor classified one by one.
     whole = spec.block_size - 1
-    pairs: dict[str, list[tuple[int, int]]] = {name: [] for name in CLASSES}
+    pairs: dict[str, list[tuple[int, int, int]]] = {name: [] for name in CLASSES}
     max_steps: list[int] = []
     for sample in samples:
         drafter = _synthetic_accepted_at(None, None, sample, spec, device=cpu)
         lookup = torch.from_numpy(lookup_accepted(sample.input_ids.numpy(), sample.loss_mask.numpy(), whole))
+        room = span_room(sample.loss_mask.numpy(), spec.block_size)  # B - 1 but near the response's end
         for a in eligible_anchors(sample.loss_mask).tolist():
-            name = "full" if lookup[a] == whole else "none" if lookup[a] == 0 else "part"
-            pairs[name].append((int(drafter[a]), int(lookup[a])))
+            name = "full" if lookup[a] == room[a] else "none" if lookup[a] == 0 else "part"
+            pairs[name].append((int(drafter[a]), int(lookup[a]), int(room[a])))
         max_steps += decode_walk(torch.maximum(drafter, lookup), sample.loss_mask)
     total = sum(map(len, pairs.values()))
     assert first["walk_split_anchors"] == total
     for name, seen in pairs.items():
         assert seen, name  # the fake rows' fixed successor gives lookup every class
         assert first[f"walk_split_{name}_share"] == pytest.approx(len(seen) / total)
-        assert first[f"walk_split_{name}_drafter"] == pytest.approx(sum(d for d, _ in seen) / len(seen))
-        assert first[f"walk_split_{name}_lookup"] == pytest.approx(sum(k for _, k in seen) / len(seen))
-        full = sum(d == whole for d, _ in seen) / len(seen)
+        assert first[f"walk_split_{name}_drafter"] == pytest.approx(sum(d for d, _, _ in seen) / len(seen))
+        assert first[f"walk_split_{name}_lookup"] == pytest.approx(sum(k for _, k, _ in seen) / len(seen))
+        full = sum(d == r for d, _, r in seen) / len(seen)
         assert first[f"walk_split_{name}_drafter_full"] == pytest.approx(full)
     # Not above both walks per se: a longer step can land on a worse anchor (here below the drafter's own walk).
     assert first["tau_walk_max"] == pytest.approx(walk_tau(max_steps))

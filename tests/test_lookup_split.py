@@ -65,3 +65,25 @@ def test_an_empty_class_has_a_zero_share_and_no_means() -> None:
 def test_inconsistent_inputs_are_named(drafter, lookup, block_size, message) -> None:
     with pytest.raises(ValueError, match=message):
         split_sums(np.array(drafter), np.array(lookup), block_size)
+
+
+def test_an_anchor_near_its_spans_end_is_full_when_lookup_copies_to_the_end() -> None:
+    # B = 4; the response is positions 2..6, then prompt again at 7. The anchor at 5 has one slot left (6),
+    # the anchor at 4 two (5, 6): lookup accepting all of them is a whole copy, not `part`.
+    mask = np.array([0, 0, 1, 1, 1, 1, 1, 0])
+    lookup = np.array([-1, 3, 3, 2, 2, 1, -1, -1])
+    drafter = np.array([-1, 1, 3, 1, 2, 0, -1, -1])
+    metrics = split_sums(drafter, lookup, 4, mask).metrics()
+    assert metrics["walk_split_full_share"] == pytest.approx(4 / 5)  # anchors 1, 2, 4, 5
+    assert metrics["walk_split_full_drafter_full"] == pytest.approx(2 / 4)  # 2 (3 of 3), 4 (2 of 2)
+    assert metrics["walk_split_part_share"] == pytest.approx(1 / 5)  # anchor 3: 2 of 3
+    assert split_sums(drafter, lookup, 4).metrics()["walk_split_full_share"] == pytest.approx(2 / 5)
+    with pytest.raises(ValueError, match="slots its anchor's span leaves"):
+        split_sums(drafter, np.array([-1, 3, 3, 2, 3, 1, -1, -1]), 4, mask)
+
+
+def test_span_room_counts_consecutive_response_slots() -> None:
+    from dflash.train.lookup_split import span_room
+
+    mask = np.array([0, 1, 1, 0, 1, 1, 1, 1, 1])
+    assert span_room(mask, 4).tolist() == [2, 1, 0, 3, 3, 3, 2, 1, 0]

@@ -184,9 +184,12 @@ def evaluate(
                     walk_seconds += time.perf_counter() - walk_started
                     for ref, sample, accepted_at in zip(refs, samples, drafter_at, strict=True):
                         lookup_at = _lookup_at(eval_set, ref, sample, spec.block_size)
+                        loss_mask = sample.loss_mask.numpy()
                         if lookup_steps is not None:
                             lookup_steps.extend(decode_walk(lookup_at, sample.loss_mask))
-                        split += split_sums(accepted_at.numpy(), lookup_at.numpy(), spec.block_size)
+                        split += split_sums(
+                            accepted_at.numpy(), lookup_at.numpy(), spec.block_size, loss_mask
+                        )
                         max_steps.extend(decode_walk(torch.maximum(accepted_at, lookup_at), sample.loss_mask))
     finally:
         model.train(was_training)

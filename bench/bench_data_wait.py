@@ -108,6 +108,9 @@ def main() -> None:
     if unknown := set(sources) - set(SOURCES):
         p.error(f"--sources: unknown {sorted(unknown)}; known: {','.join(SOURCES)}")
     device = torch.device(args.device)
+    # nine train() calls in one process, each with fresh compiled regions over the same functions: room for
+    # their guard sets, so a late cell cannot fall back to eager (a slower step would flatter its data wait)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     target, (min_len, max_len), _ = SHAPES[args.shape]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_data_wait_"))
     work.mkdir(parents=True, exist_ok=True)

@@ -146,6 +146,52 @@ def write_cache(
     }
 
 
+def train_config(
+    cache: str,
+    out: str,
+    target: dict[str, Any],
+    *,
+    shape: str,
+    device: torch.device,
+    budget: int,
+    max_len: int,
+    threads: int,
+    compile: bool,
+    **extra: Any,
+) -> tuple[Any, DrafterConfig]:
+    """The bench's training config (no eval, no checkpoints, epochs without end) and its drafter; `shape` is
+    tiny, small or qwen3_8b; `extra` overrides any field (e.g. shard_cache_dir)."""
+    overrides = dict(
+        device=device.type,
+        token_budget=budget,
+        max_length=max_len,
+        eval_every=0,
+        save_every=0,
+        log_every=1 if shape == "tiny" else 10,
+        progress=False,
+        tensorboard=False,
+        plots=False,
+        mask_token_id=target["vocab_size"] - 1,  # the synthetic target has no tokenizer
+        loader_threads=threads,
+        compile=compile,
+        eval_fraction=0.0,
+        epochs=1000,
+    )
+    if shape == "tiny":
+        overrides.update(num_draft_layers=2, num_anchors=32)
+    elif shape == "small":
+        overrides.update(num_draft_layers=3)
+    cfg = paper_recipe(cache, out, **overrides, **extra)
+    drafter = DrafterConfig.from_target_config(
+        target,
+        mask_token_id=target["vocab_size"] - 1,
+        num_hidden_layers=cfg.drafter.num_draft_layers,
+        block_size=cfg.drafter.block_size,
+        target_layer_ids=None,
+    )
+    return cfg, drafter
+
+
 def loader_ceiling(
     cfg: Any, drafter: DrafterConfig, device: torch.device, threads: int, seconds: float
 ) -> dict:
@@ -276,6 +322,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
+    shape = "tiny" if args.tiny else "small" if args.small else "qwen3_8b"
     target = TINY if args.tiny else (SMALL if args.small else QWEN3_8B)
     samples = args.samples or (48 if args.tiny else 2000 if args.small else (160 if args.quick else 320))
     # --small: rows like bench_quality's greedy continuations (~25 to a pack, every eligible anchor trained)
@@ -305,34 +352,10 @@ def main() -> None:
                 device=device,
                 threads=16,
             )
-            overrides = dict(
-                device=device.type,
-                token_budget=budget,
-                max_length=max_len,
-                eval_every=0,
-                save_every=0,
-                log_every=1 if args.tiny else 10,
-                progress=False,
-                tensorboard=False,
-                plots=False,
-                mask_token_id=target["vocab_size"] - 1,  # the synthetic target has no tokenizer
-                loader_threads=args.train_threads,
-                compile=args.compile,
-                eval_fraction=0.0,
-                epochs=1000,
-            )
-            if args.tiny:
-                overrides.update(num_draft_layers=2, num_anchors=32)
-            elif args.small:
-                overrides.update(num_draft_layers=3)
-            cfg = paper_recipe(str(cache), str(work / f"run_{codec}"), **overrides)
-            drafter = DrafterConfig.from_target_config(
-                target,
-                mask_token_id=target["vocab_size"] - 1,
-                num_hidden_layers=cfg.drafter.num_draft_layers,
-                block_size=cfg.drafter.block_size,
-                target_layer_ids=None,
-            )
+            cfg, drafter = train_config(
+                str(cache), str(work / f"run_{codec}"), target, shape=shape, device=device, budget=budget,
+                max_len=max_len, threads=args.train_threads, compile=args.compile,
+            )  # fmt: skip
             ceilings = [loader_ceiling(cfg, drafter, device, t, loader_s) for t in threads_sweep]
             shutil.rmtree(cfg.out, ignore_errors=True)
             trained = train_phase(cfg, train_s)

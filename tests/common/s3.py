@@ -143,6 +143,12 @@ class S3Server:
         _wait_for_port(port, proc)
         return cls(proc, port, log, auth)
 
+    def bypass_relay(self) -> None:
+        """Talk to moto directly from now on (`endpoint`, `env`): the relay's Python threads copy every byte and
+        cap throughput near 20 MB/s, so the benches measure through this; `down()` then stops nothing."""
+        self.endpoint = f"http://127.0.0.1:{self.server_port}"
+        self.env["AWS_ENDPOINT_URL"] = self.endpoint
+
     def client(self):  # boto3, for setting up and inspecting buckets
         import boto3
 

@@ -1,10 +1,13 @@
 # Source this on a GPU machine with no network and no install of dflash:
 #   source bench/device_env.sh
-# It installs carried wheels (.whl/, see BENCHMARKS.md) into /tmp/site and exposes the repo's phase folders
+# It installs carried wheels (.whl/: zstandard, FLA; .whl-s3/: moto and s3fs, see bench/device_wheels.txt)
+# into /tmp/site and exposes the repo's phase folders
 # as the `dflash` package through symlinks, so `python bench/...` runs without `pip install`.
 set -e
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+wheels=$(ls .whl/*.whl .whl-s3/*.whl 2>/dev/null || true)
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels
 fi
 mkdir -p /tmp/ns/dflash
 for part in shards extract train tools; do ln -sfn "$PWD/$part" "/tmp/ns/dflash/$part"; done

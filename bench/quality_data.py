@@ -11,12 +11,14 @@ tokenizer), so the benchmark also exercises that layout end to end.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import math
 import os
 import sysconfig
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -236,35 +238,40 @@ def _train_target(
     rng = np.random.default_rng(seed)
     config = target_config(spec, tokenizer)
     model = target_model(config).to(device)
-    delta_rule = torch_delta_rule_for_training(model) if device == "cuda" else None
     model.train()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda" or None
     )
     warmup = max(1, spec.steps // 20)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
-    losses = []
-    start = time.perf_counter()
-    for step in range(spec.steps):
-        frac = min(1.0, (step + 1) / warmup)
-        progress = max(0.0, (step - warmup) / max(1, spec.steps - warmup))
-        for group in optimizer.param_groups:
-            group["lr"] = spec.lr * frac * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-        offsets = rng.integers(0, len(stream) - spec.seq_len - 1, spec.batch)
-        batch = torch.from_numpy(np.stack([stream[o : o + spec.seq_len] for o in offsets]).astype(np.int64))
-        batch = batch.to(device)
-        with autocast:
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step % 50 == 0 or step == spec.steps - 1:
-            losses.append((step, float(loss.detach())))
-        if step % 500 == 499:  # a detached run's log says how far the target is (bench/quality_targets.sh)
-            print(f"[target] step {step + 1}/{spec.steps}, loss {losses[-1][1]:.3f}, "
-                  f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
-    seconds = time.perf_counter() - start
+    # on CUDA FLA's gated delta-rule backward is refused (torch_delta_rule_for_training says why)
+    patch = torch_delta_rule_for_training(model) if device == "cuda" else contextlib.nullcontext()
+    with patch as delta_rule:
+        losses = []
+        start = time.perf_counter()
+        for step in range(spec.steps):
+            frac = min(1.0, (step + 1) / warmup)
+            progress = max(0.0, (step - warmup) / max(1, spec.steps - warmup))
+            for group in optimizer.param_groups:
+                group["lr"] = spec.lr * frac * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+            offsets = rng.integers(0, len(stream) - spec.seq_len - 1, spec.batch)
+            batch = torch.from_numpy(
+                np.stack([stream[o : o + spec.seq_len] for o in offsets]).astype(np.int64)
+            )
+            batch = batch.to(device)
+            with autocast:
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            if step % 50 == 0 or step == spec.steps - 1:
+                losses.append((step, float(loss.detach())))
+            # a detached run's log says how far the target is (bench/quality_targets.sh)
+            if step % 500 == 499:
+                print(f"[target] step {step + 1}/{spec.steps}, loss {losses[-1][1]:.3f}, "
+                      f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+        seconds = time.perf_counter() - start
     model.eval()
     model.generation_config.do_sample = False
     model.generation_config.eos_token_id = config.eos_token_id
@@ -283,26 +290,37 @@ def _train_target(
     return info
 
 
-def torch_delta_rule_for_training(model: Any) -> str | None:
-    """Trains a Gated DeltaNet target through transformers' torch chunked delta rule instead of FLA's kernel.
+@contextlib.contextmanager
+def torch_delta_rule_for_training(model: Any) -> Iterator[str | None]:
+    """Within it, `model`'s Gated DeltaNet layers run transformers' torch chunked delta rule, not FLA's kernel.
 
     FLA 0.6.0 refuses the gated delta rule's backward on Hopper with Triton 3.4-3.7.0 (wrong gradients, its
     issue #640), and the GPU machine's torch 2.11 comes with Triton 3.6. Only the target's own training runs
-    a backward: generation and `dflash-extract` (forward only) keep FLA's kernels. Returns what the layers
-    ran, for the report; None for a model without delta-rule layers."""
+    a backward: generation and `dflash-extract` (forward only) keep FLA's kernels. Transformers picks FLA in
+    one of two ways by version: a per-layer attribute (`chunk_gated_delta_rule`) or a module-level function
+    decorated to dispatch to FLA when it imports (`torch_chunk_gated_delta_rule`, whose `__wrapped__` chain
+    ends at the torch code); both are pointed at the torch code and restored on exit. Yields what ran."""
+    import inspect
     import sys
 
-    swapped = 0
+    restore: list[tuple[Any, str, Any]] = []
     for module in model.modules():
-        if callable(getattr(module, "chunk_gated_delta_rule", None)):
-            fallback = getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule", None)
-            if fallback is None:
-                raise RuntimeError(
-                    f"{type(module).__module__} has no torch_chunk_gated_delta_rule to train with"
-                )
-            module.chunk_gated_delta_rule = fallback
-            swapped += 1
-    return f"torch_chunk_gated_delta_rule in {swapped} layers" if swapped else None
+        layer_fn = getattr(module, "chunk_gated_delta_rule", None)
+        modeling = sys.modules[type(module).__module__]
+        torch_fn = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+        if torch_fn is None:
+            continue
+        if callable(layer_fn):
+            restore.append((module, "chunk_gated_delta_rule", layer_fn))
+            module.chunk_gated_delta_rule = inspect.unwrap(torch_fn)
+        if inspect.unwrap(torch_fn) is not torch_fn and all(m is not modeling for m, _, _ in restore):
+            restore.append((modeling, "torch_chunk_gated_delta_rule", torch_fn))
+            modeling.torch_chunk_gated_delta_rule = inspect.unwrap(torch_fn)
+    try:
+        yield f"transformers' torch chunked delta rule ({len(restore)} patched)" if restore else None
+    finally:
+        for owner, name, original in reversed(restore):
+            setattr(owner, name, original)
 
 
 # --- greedy continuations ---------------------------------------------------------------------------------

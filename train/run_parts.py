@@ -31,6 +31,7 @@ from dflash.shards.outdir import claim_out_dir
 from dflash.shards.paths import LOCK_NAME
 from dflash.shards.row_ledger import unaccounted_rows
 from dflash.shards.target_files import check_target_files
+from dflash.shards.urls import is_url
 
 from . import checkpoint as ckpt
 from .cache_checks import check_cache
@@ -94,6 +95,13 @@ def open_run(cfg: TrainConfig, clock: StartupClock) -> RunParts:
             seed_everything(cfg.seed)
         with clock.phase("cache_open"):
             cache = cfg.open_cache()
+        if info.is_main and is_url(cfg.cache) and not cfg.data.shard_cache_gb:
+            log.info(
+                "%s: read by range requests, one per sample (~2-3 ms of CPU each, in this process): a fast "
+                "drafter can run slower than from a local disk (2.6x on the quality benchmark's); "
+                "--shard-cache-dir DIR --shard-cache-gb N keeps whole shards on a local disk (BENCHMARKS.md)",
+                cfg.cache,
+            )
     except BaseException:
         release_lock(lock)
         raise

@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--steps", type=int, help="override the recipe's training steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the target and data")
+    p.add_argument("--compile-target", action="store_true",
+                   help="torch.compile the target's training (the hybrid's torch delta rule is slow eager)")  # fmt: skip
     p.add_argument(
         "--pack", help="write target/ and data/ as tar parts here (to carry them to another machine)"
     )
@@ -288,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         size = replace(size, fractions=tuple(float(f) for f in args.fractions.split(",")))
     if args.steps:
         size = replace(size, drafter=replace(size.drafter, steps=args.steps))
-    size = replace(size, target=replace(size.target, kind=args.target))
+    size = replace(size, target=replace(size.target, kind=args.target, compile=args.compile_target))
     work = target_work(Path(args.work), args.target)
     work.mkdir(parents=True, exist_ok=True)
     if args.unpack and unpack(Path(args.unpack), work, args.target):

@@ -207,6 +207,38 @@ def test_hybrid_target_is_a_gated_deltanet_model_through_every_phase(tmp_path: P
     assert abs(sizes[1] / sizes[0] - 1) < 0.02
 
 
+def test_hybrid_target_trains_through_the_torch_delta_rule_and_leaves_it_as_it_was() -> None:
+    """On the GPU FLA's gated delta-rule backward is refused (Triton < 3.7.1 on Hopper): the target's training
+    must reach transformers' torch code whichever way this transformers dispatches, and generation after it
+    must find the dispatch as it was."""
+    import inspect
+    import sys
+
+    import torch
+
+    spec = replace(bench_quality.SIZES["ci"].target, kind="hybrid")
+    model = quality_data.target_model(quality_data.target_config(spec, _Vocab(spec.vocab)))
+    modeling = sys.modules[type(model).__module__]
+    before = {id(m): getattr(m, "chunk_gated_delta_rule", None) for m in model.modules()}
+    dispatch = modeling.torch_chunk_gated_delta_rule
+    torch_code = inspect.unwrap(dispatch)  # the decorated dispatcher's innermost function: the torch code
+    with quality_data.torch_delta_rule_for_training(model) as what:
+        assert what and "torch" in what
+        ids = torch.randint(0, spec.vocab, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        layers = [m for m in model.modules() if callable(getattr(m, "chunk_gated_delta_rule", None))]
+        assert all(inspect.unwrap(m.chunk_gated_delta_rule) is torch_code for m in layers)
+        assert layers or modeling.torch_chunk_gated_delta_rule is torch_code
+    assert modeling.torch_chunk_gated_delta_rule is dispatch
+    assert {id(m): getattr(m, "chunk_gated_delta_rule", None) for m in model.modules()} == before
+    # a model with no delta-rule layer is left alone
+    plain = quality_data.target_model(
+        quality_data.target_config(bench_quality.SIZES["ci"].target, _Vocab(384))
+    )
+    with quality_data.torch_delta_rule_for_training(plain) as what:
+        assert what is None
+
+
 class _Vocab:
     def __init__(self, n: int) -> None:
         self.n = n

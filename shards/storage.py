@@ -6,7 +6,8 @@
 Local storage keeps the behaviour every local cache had before (`atomic.py`: temp, fsync, rename). Remote
 storage goes through fsspec (s3fs for s3://): an object PUT is atomic (readers see the old object, the new one
 or none, never a torn one), and `create_exclusive` is a PUT with `If-None-Match: *`, refused when the key
-exists: the lock of a second writer. The endpoint and credentials come from where boto reads them
+exists: the lock of a second writer. The per-sample range reads and whole-shard downloads of s3:// go through
+obstore when it is installed (`storage_obstore.py`: outside the GIL; DFLASH_S3_CLIENT=s3fs to keep s3fs). The endpoint and credentials come from where boto reads them
 (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, `~/.aws/config`); a URL that
 carries credentials itself is refused, so none is ever printed or recorded.
 
@@ -30,6 +31,7 @@ from typing import TypeVar
 from .atomic import atomic_write_bytes, fsync_dir
 from .errors import ShardError
 from .safe_io import open_regular, read_regular
+from .storage_obstore import ObstoreReads, s3_client
 from .urls import check_url, is_url, local_path, scheme
 
 T = TypeVar("T")
@@ -271,6 +273,15 @@ class RemoteStorage(Storage):
         if hasattr(self.fs, "retries"):
             self.fs.retries = 1
         self.root = root.rstrip("/")
+        self._reads: ObstoreReads | None = None  # per-sample and per-shard reads, outside the GIL
+        if scheme(url) in ("s3", "s3a") and s3_client() == "obstore":
+            bucket, _, prefix = self.root.partition("/")
+            self._reads = ObstoreReads.open(bucket, prefix)
+
+    @property
+    def read_client(self) -> str:
+        """What `read_range` and `get_file` go through: 'obstore' or 'fsspec' (DFLASH_S3_CLIENT)."""
+        return "fsspec" if self._reads is None else "obstore"
 
     @property
     def is_remote(self) -> bool:
@@ -309,6 +320,8 @@ class RemoteStorage(Storage):
         if size == 0:
             return b""
         _request("get", size)
+        if self._reads is not None:
+            return retrying(lambda: self._reads.read_range(key, offset, size), self.where(key))
         return retrying(
             lambda: self.fs.cat_file(self._key(key), start=offset, end=offset + size), self.where(key)
         )
@@ -323,7 +336,10 @@ class RemoteStorage(Storage):
 
     def get_file(self, key: str, local: Path) -> None:
         _request("get")
-        retrying(lambda: self.fs.get_file(self._key(key), str(local)), self.where(key))
+        if self._reads is not None:
+            retrying(lambda: self._reads.get_file(key, local), self.where(key))
+        else:
+            retrying(lambda: self.fs.get_file(self._key(key), str(local)), self.where(key))
 
     def put(self, key: str, data: bytes) -> None:
         _request("put", len(data))

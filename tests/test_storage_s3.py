@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 from common.synth import make_cache
 from dflash.shards import Cache
+from dflash.shards.storage import open_storage
 from dflash.tools.shards_cli import main as shards_main
 
 from tests.common.s3 import upload_dir
@@ -136,6 +138,11 @@ def test_wrong_credentials_one_line(
     assert err.count("\n") == 1 and "access refused by the storage service" in err, err
     assert "AWS_ACCESS_KEY_ID" in err and secret not in err and "Traceback" not in err
     assert list((tmp_path / "wrong").rglob("manifest.json")) == []
+    for client in ("s3fs", "obstore") if importlib.util.find_spec("obstore") else ("s3fs",):
+        monkeypatch.setenv("DFLASH_S3_CLIENT", client)  # a range read (training's) refused alike
+        with pytest.raises(PermissionError, match="access refused by the storage service") as refused:
+            open_storage("s3://guarded/c").read_range("manifest.json", 0, 10)
+        assert "\n" not in str(refused.value) and secret not in str(refused.value)
 
 
 @pytest.mark.parametrize(
@@ -183,12 +190,16 @@ def test_training_from_s3_equals_training_from_disk(s3, tmp_path: Path, monkeypa
     assert train_cli.main([*_train_argv(f"s3://{bucket}/c", tmp_path / "dry"), "--dry-run"]) == 0
     assert not (tmp_path / "dry").exists()  # every check of a run, against the bucket, nothing written
     assert train_cli.main(_train_argv(local, tmp_path / "run_local")) == 0
-    assert train_cli.main(_train_argv(f"s3://{bucket}/c", tmp_path / "run_s3")) == 0
+    clients = ("s3fs", "obstore") if importlib.util.find_spec("obstore") else ("s3fs",)
+    for client in clients:  # range reads through each client (DFLASH_S3_CLIENT): the same batches
+        monkeypatch.setenv("DFLASH_S3_CLIENT", client)
+        assert train_cli.main(_train_argv(f"s3://{bucket}/c", tmp_path / f"run_{client}")) == 0
+    monkeypatch.delenv("DFLASH_S3_CLIENT")
     losses = [
         [r.get("loss") for r in read_metrics(tmp_path / name) if "loss" in r]
-        for name in ("run_local", "run_s3")
+        for name in ("run_local", *(f"run_{c}" for c in clients))
     ]
-    assert losses[0] == losses[1] and len(losses[0]) == 4
+    assert all(run == losses[0] for run in losses[1:]) and len(losses[0]) == 4
     kept = tmp_path / "kept"  # whole shards kept on local disk: the same batches, later reads local
     argv = [*_train_argv(f"s3://{bucket}/c", tmp_path / "run_kept"), "--shard-cache-dir", str(kept)]
     assert train_cli.main([*argv, "--shard-cache-gb", "1"]) == 0
@@ -197,7 +208,7 @@ def test_training_from_s3_equals_training_from_disk(s3, tmp_path: Path, monkeypa
     assert sorted(p.name for p in (copy / "shards").iterdir()) == sorted(
         p.name for p in (local / "shards").iterdir()
     )
-    assert train_cli.main(["export", str(tmp_path / "run_s3"), "--out", str(tmp_path / "export")]) == 0
+    assert train_cli.main(["export", str(tmp_path / "run_s3fs"), "--out", str(tmp_path / "export")]) == 0
 
 
 def test_shard_file_cache_keeps_at_most_its_bound(

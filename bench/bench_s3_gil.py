@@ -1,17 +1,21 @@
-"""How much an S3 range-read client, on reader threads, slows a pure-Python loop on another thread (the GIL).
+"""How much an S3 range-read client, on reader threads, slows a loop on another thread (the GIL, the cores).
 
-    python bench/bench_s3_gil.py [--range-kb 100,1024 --readers 4 --seconds 3 --rounds 3 --rate 0]
+    python bench/bench_s3_gil.py [--range-kb 100,1024 --readers 4 --seconds 3 --rounds 3 --rate 40]
+                                 [--loop counter|launcher]
 
 Training from an s3:// cache by range requests does one GET per sample on the loader's threads, while the
 training loop, host-bound for a small drafter, runs Python on the main thread. A client that runs Python
 per request (fsspec/s3fs: its event loop, aiobotocore's signing and parsing) takes the GIL from that loop;
-one that makes the request in native code with the GIL released (obstore: Rust) should not. Here the loop is
-a counter (`n += 1` in Python) and its rate alone and beside `--readers` threads of one client is the
-measure, reading ranges of one 64 MiB object from moto's S3 server (its own process, reached directly,
-not through the tests' relay). `--rate` paces the readers to that many GETs/s in all (0: as fast as they
-go), so that clients are compared at the same request rate (training asks for the GETs its batches need).
-Per client: the counter's rate as a fraction of alone, GETs/s, and client CPU ms per GET (this process's CPU
-time minus the counter thread's, over the GETs). The rounds alternate the clients; medians are reported.
+one that makes the request in native code with the GIL released (obstore: Rust) should not. The loop is a
+counter (`n += 1`) or one-element torch ops (`--loop launcher`: each releases and retakes the GIL, as kernel
+launches do); its rate alone and beside `--readers` threads of one client is the measure, the readers getting
+ranges of one object (`--object-mb`) from moto's S3 server (its own process, reached directly, not through
+the tests' relay). `--rate` paces the readers to that many GETs/s in all (0: as fast as they go), so that
+the clients put the same load on the server (training asks for the GETs its batches need).
+Per client: the loop's rate as a fraction of alone; the fractions of its wall time it was blocked (waiting
+for the GIL) and runnable without a core (Linux schedstat; on a busy box a GIL hand-off shows partly as the
+latter); GETs/s; client CPU ms per GET (this process's CPU time minus the loop thread's) and the part of it
+in Python threads (the most the client can have held the GIL). The rounds alternate the clients; medians.
 Clients: `s3fs` and `obstore` through dflash's `open_storage` (DFLASH_S3_CLIENT), `boto3` (get_object with
 a Range) for reference; obstore only when installed.
 """
@@ -59,14 +63,24 @@ def _python_threads_cpu_ns() -> int:
     )
 
 
-def count(seconds: float) -> dict[str, float]:
-    """A tight Python loop for `seconds`: increments per second, this thread's CPU seconds, and the fractions
-    of the wall time it waited for a core (runnable) and was blocked (not runnable: waiting for the GIL)."""
+def count(seconds: float, launcher: bool = False) -> dict[str, float]:
+    """A tight loop for `seconds`: iterations per second, this thread's CPU seconds, and the fractions of the
+    wall time it waited for a core (runnable) and was blocked (not runnable: waiting for the GIL). The loop
+    is `n += 1` (pure Python: gives the GIL up only when asked) or, with `launcher`, a one-element torch op
+    (releases and retakes the GIL each time, as a training loop's kernel launches do)."""
+    import torch
+
+    a = torch.zeros(1)
     n, (cpu0, queued0), start = 0, _schedstat(), time.perf_counter()
     end = start + seconds
     while True:
-        for _ in range(1000):
-            n += 1
+        if launcher:
+            for _ in range(100):
+                a.add_(1)
+            n += 100
+        else:
+            for _ in range(1000):
+                n += 1
         if time.perf_counter() >= end:
             break
     wall, (cpu1, queued1) = time.perf_counter() - start, _schedstat()
@@ -79,10 +93,18 @@ def count(seconds: float) -> dict[str, float]:
     }
 
 
-def beside(read: Read | None, seconds: float, readers: int, chunk: int, size: int, rate: float) -> dict:
+def beside(
+    read: Read | None,
+    seconds: float,
+    readers: int,
+    chunk: int,
+    size: int,
+    rate: float,
+    launcher: bool = False,
+) -> dict:
     """The counter alone (read None) or beside `readers` threads calling `read` (paced to `rate` GETs/s)."""
     if read is None:
-        return count(seconds) | {"gets": 0.0, "cpu_ms": 0.0, "py_ms": 0.0}
+        return count(seconds, launcher) | {"gets": 0.0, "cpu_ms": 0.0, "py_ms": 0.0}
     stop, done = threading.Event(), [0] * readers
 
     def loop(t: int) -> None:
@@ -102,7 +124,7 @@ def beside(read: Read | None, seconds: float, readers: int, chunk: int, size: in
         thread.start()
     time.sleep(0.3)  # connections made
     before, c0, py0, start = sum(done), time.process_time(), _python_threads_cpu_ns(), time.perf_counter()
-    counted = count(seconds)
+    counted = count(seconds, launcher)
     gets, cpu, wall = sum(done) - before, time.process_time() - c0, time.perf_counter() - start
     python_ms = (_python_threads_cpu_ns() - py0) / 1e6
     stop.set()
@@ -146,8 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rate", type=float, default=0.0, help="GETs/s of all readers together (0: unpaced)")
-    p.add_argument("--object-mb", type=int, default=64)
+    p.add_argument("--object-mb", type=int, default=4, help="moto copies the whole object for each GET")
+    p.add_argument("--loop", choices=("counter", "launcher"), default="counter", help="the loop measured")
     args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # the launcher's ops on its own thread only
     size = args.object_mb << 20
     with tempfile.TemporaryDirectory() as work:
         server = S3Server.start(Path(work))
@@ -165,13 +191,23 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(args.rounds):
                     for name in runs:
                         runs[name].append(
-                            beside(reads.get(name), args.seconds, args.readers, chunk, size, args.rate)
+                            beside(
+                                reads.get(name),
+                                args.seconds,
+                                args.readers,
+                                chunk,
+                                size,
+                                args.rate,
+                                args.loop == "launcher",
+                            )
                         )
                 alone = statistics.median(r["counter"] for r in runs["alone"])
                 paced = f"paced to {args.rate:g} GETs/s" if args.rate else "unpaced"
-                print(f"{kb} KiB ranges, {args.readers} readers, {paced}; medians of {args.rounds} rounds")
                 print(
-                    f"{'client':8s} {'counter/s':>12s} {'vs alone':>9s} {'GIL wait':>9s} {'core wait':>10s} "
+                    f"{kb} KiB ranges, {args.readers} readers, {paced}, {args.loop}; medians of {args.rounds} rounds"
+                )
+                print(
+                    f"{'client':8s} {'loop/s':>12s} {'vs alone':>9s} {'GIL wait':>9s} {'core wait':>10s} "
                     f"{'GETs/s':>8s} {'client CPU ms/GET':>18s} {'in Python threads':>18s}"
                 )
                 for name, results in runs.items():

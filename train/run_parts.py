@@ -96,11 +96,14 @@ def open_run(cfg: TrainConfig, clock: StartupClock) -> RunParts:
         with clock.phase("cache_open"):
             cache = cfg.open_cache()
         if info.is_main and is_url(cfg.cache) and not cfg.data.shard_cache_gb:
+            client = getattr(cache.storage, "read_client", "fsspec")
+            cost = "~0.5-1.5 ms of CPU each through obstore" if client == "obstore" else "~2-3 ms of CPU each"
             log.info(
-                "%s: read by range requests, one per sample (~2-3 ms of CPU each, in this process): a fast "
-                "drafter can run slower than from a local disk (2.6x on the quality benchmark's); "
+                "%s: read by range requests, one per sample (%s, in this process): a fast drafter can run "
+                "slower than from a local disk (2.6x on the quality benchmark's, through s3fs); "
                 "--shard-cache-dir DIR --shard-cache-gb N keeps whole shards on a local disk (BENCHMARKS.md)",
                 cfg.cache,
+                cost,
             )
     except BaseException:
         release_lock(lock)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,17 @@ def _builtin_error(exc: Exception) -> Exception:
         return TimeoutError(text)
     if any(k in detail for k in ("error sending request", "kind: Connect", "kind: Request", "kind: Body")):
         return ConnectionError(text)
-    return exc
+    code = re.search(r"<Code>([^<]+)</Code>", detail) or re.search(r"status code: (\d{3})", detail)
+    return ServiceError(text, code.group(1)) if code else exc
+
+
+class ServiceError(OSError):
+    """The service's error answer shaped as botocore's (`response`), so that `storage.retrying` sorts it by its
+    code as it sorts s3fs's (SlowDown: throttled; InternalError, 5xx: server_error; others: not retried)."""
+
+    def __init__(self, text: str, code: str):
+        super().__init__(text)
+        self.response = {"Error": {"Code": code}}
 
 
 class ObstoreReads:

@@ -32,6 +32,36 @@ def _open(url: str, client: str, monkeypatch) -> storage.RemoteStorage:
     return opened
 
 
+def _generic(detail: str) -> Exception:
+    from obstore.exceptions import GenericError
+
+    return GenericError(f"Generic S3 error: Error performing GET http://127.0.0.1:1/b/k in 3ms - {detail}")
+
+
+@pytest.mark.parametrize(
+    ("detail", "kind"),
+    [
+        (
+            "Server returned non-2xx status code: 503 Service Unavailable: <Error><Code>SlowDown</Code>",
+            "throttled",
+        ),
+        (
+            "Server returned non-2xx status code: 500 Internal Server Error: <Error><Code>InternalError</Code>",
+            "server_error",
+        ),
+        ("Server returned non-2xx status code: 502 Bad Gateway: ", "server_error"),
+        ("HTTP error: error sending request\n\nDebug source:\n  kind: Connect", "connection"),
+        ("HTTP error: operation timed out\n  kind: Timeout", "timeout"),
+        ("Server returned non-2xx status code: 400 Bad Request: <Error><Code>InvalidArgument</Code>", None),
+    ],
+)
+def test_obstore_errors_are_sorted_as_s3fs_errors(detail: str, kind: str | None) -> None:
+    """The retry rules see obstore's errors as they see botocore's: the same kinds counted, the rest raised."""
+    from dflash.shards.storage_obstore import _builtin_error
+
+    assert storage._transient_kind(_builtin_error(_generic(detail))) == kind
+
+
 def test_both_clients_read_the_same_bytes_and_count_the_same(obj, monkeypatch, tmp_path: Path) -> None:
     url, data = obj
     got = {}

@@ -6,10 +6,10 @@
 Local storage keeps the behaviour every local cache had before (`atomic.py`: temp, fsync, rename). Remote
 storage goes through fsspec (s3fs for s3://): an object PUT is atomic (readers see the old object, the new one
 or none, never a torn one), and `create_exclusive` is a PUT with `If-None-Match: *`, refused when the key
-exists: the lock of a second writer. The per-sample range reads and whole-shard downloads of s3:// go through
-obstore when it is installed (`storage_obstore.py`: outside the GIL; DFLASH_S3_CLIENT=s3fs to keep s3fs). The endpoint and credentials come from where boto reads them
+exists: the lock of a second writer. The endpoint and credentials come from where boto reads them
 (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, `~/.aws/config`); a URL that
-carries credentials itself is refused, so none is ever printed or recorded.
+carries credentials itself is refused, so none is ever printed or recorded. The per-sample range reads and
+whole-shard downloads of s3:// go through obstore when it is installed (`storage_obstore.py`: outside the GIL).
 
 Transient remote errors (5xx, throttling, timeouts, dropped connections) are retried with exponential backoff
 (`RETRIES` attempts) and counted (`transient_counts`), for the metrics; any other error is raised at once as

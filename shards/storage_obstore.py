@@ -106,8 +106,9 @@ class _Refreshing:
 
 
 def _builtin_error(exc: Exception) -> Exception:
-    """obstore's error as the kind `storage.retrying` sorts: connection and timeout errors retried, a refused
-    credential a PermissionError, anything else as it is (its text names a 5xx for the retry rules)."""
+    """obstore's error as `storage.retrying` sorts s3fs's: a connection or timeout error (retried), a refused
+    credential (PermissionError), the service's answer by its code (`ServiceError`), a range past the end in
+    s3fs's words; anything else as it is."""
     from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

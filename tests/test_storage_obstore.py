@@ -146,6 +146,37 @@ def test_endpoint_and_credentials_come_from_the_profile_as_s3fs_reads_them(
     assert _open(url, "obstore", monkeypatch).read_range("shards/o", 3, 50) == data[3:53]
 
 
+def test_an_assumed_role_is_asked_of_botocore_once_not_per_read(obj, s3, monkeypatch, tmp_path: Path) -> None:
+    """A profile that assumes a role (moto's STS): refreshable credentials, handed to obstore by a provider
+    that obstore asks again only when they are due, not per request."""
+    from dflash.shards import storage_obstore
+
+    url, data = obj
+    keys = f"aws_access_key_id = {s3.env['AWS_ACCESS_KEY_ID']}\naws_secret_access_key = {s3.env['AWS_SECRET_ACCESS_KEY']}"
+    (tmp_path / "config").write_text(
+        f"[profile base]\nregion = us-east-1\nendpoint_url = {s3.endpoint}\n{keys}\n"
+        f"[profile reader]\nregion = us-east-1\nendpoint_url = {s3.endpoint}\n"
+        "role_arn = arn:aws:iam::123456789012:role/reader\nsource_profile = base\n"
+    )
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_PROFILE", "reader")
+    asked = []
+    provide = storage_obstore._Refreshing.__call__
+    monkeypatch.setattr(
+        storage_obstore._Refreshing, "__call__", lambda self: asked.append(1) or provide(self)
+    )
+    remote = _open(url, "obstore", monkeypatch)
+    assert [remote.read_range("shards/o", off, 10) for off in (0, 10, 20)] == [
+        data[0:10],
+        data[10:20],
+        data[20:30],
+    ]
+    assert len(asked) == 1
+
+
 def test_choice_of_client_and_fallback(obj, monkeypatch, tmp_path: Path) -> None:
     url, _ = obj
     monkeypatch.delenv("DFLASH_S3_CLIENT", raising=False)

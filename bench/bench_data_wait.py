@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash.shards.storage_obstore import s3_client
 from dflash.train.metrics import read_metrics
 
 from bench.bench_loader import SHAPES, measure, server_ceiling
@@ -117,6 +118,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "shape": args.shape,
+        "s3_client": s3_client(),  # what the s3 rows' range reads go through (DFLASH_S3_CLIENT)
         "args": vars(args),
         "codecs": {},
     }
@@ -194,7 +196,10 @@ def _cell_line(source: str, c: dict[str, Any]) -> str:
 
 
 def _print_table(results: dict[str, Any]) -> None:
-    print(f"\ndevice: {results['device']}, shape: {results['shape']}, wall {results['wall_s']:.0f} s")
+    print(
+        f"\ndevice: {results['device']}, shape: {results['shape']}, s3 reads: {results['s3_client']}, "
+        f"wall {results['wall_s']:.0f} s"
+    )
     print(
         "| codec | source | context tok/s | data wait | first epoch / later | epochs | loader alone tok/s "
         "(tok/CPU-s) | server alone 1 reader: MB/s = tok/s |"

@@ -1,9 +1,10 @@
-"""fsspec/s3fs (what dflash uses) against obstore: range GETs from moto's S3 server on a free local port.
+"""fsspec/s3fs (dflash's fsspec path) against obstore: range GETs from moto's S3 server on a free local port.
 
     python bench/bench_s3_client.py --object-mb 64 --range-kb 1024 --requests 300 --threads 1,8
 
 Reports, per client and reader-thread count, MB/s and the client's CPU seconds per GB (the process's CPU time:
-the server runs in its own process). obstore is measured only when installed (it is not a dependency).
+the server runs in its own process). obstore (called directly here; dflash's own obstore path: bench_s3_gil.py) is
+measured when installed.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
             os.environ.update(server.env)
             bucket = server.new_bucket()
             server.client().put_object(Bucket=bucket, Key="o", Body=os.urandom(size))
+            os.environ["DFLASH_S3_CLIENT"] = "s3fs"  # dflash's fsspec path (auto would take obstore)
             clients = {"s3fs": open_storage(f"s3://{bucket}").read_range}
             clients["s3fs"] = (lambda read: lambda off, n: read("o", off, n))(clients["s3fs"])
             try:

@@ -138,6 +138,14 @@ def beside(
     }
 
 
+def _spin(seconds: float, n: int) -> bytes:
+    """Hold the GIL for `seconds` of CPU in Python, as a client that did its work in Python would."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+    return bytes(n)
+
+
 def clients(server: S3Server, bucket: str) -> dict[str, Read]:
     """name -> read(offset, size) of the object `o`, each client reading as dflash would."""
     import boto3
@@ -170,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=0.0, help="GETs/s of all readers together (0: unpaced)")
     p.add_argument("--object-mb", type=int, default=4, help="moto copies the whole object for each GET")
     p.add_argument("--loop", choices=("counter", "launcher"), default="counter", help="the loop measured")
+    p.add_argument(
+        "--spin-ms",
+        type=float,
+        default=0.0,
+        help="also a calibration client 'spin': this many ms of pure Python per read, no request",
+    )
     args = p.parse_args(argv)
     import torch
 
@@ -183,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             bucket = server.new_bucket()
             server.client().put_object(Bucket=bucket, Key="o", Body=os.urandom(size))
             reads = clients(server, bucket)
+            if args.spin_ms:
+                reads["spin"] = lambda off, n: _spin(args.spin_ms / 1e3, n)
             for kb in (int(x) for x in args.range_kb.split(",")):
                 chunk = kb << 10
                 for read in reads.values():

@@ -43,9 +43,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         server = S3Server.start(Path(work))
         try:
-            server.bypass_relay()  # the fault tests' relay would cap the rate
-            os.environ.update(server.env)
-            bucket = server.new_bucket()
+            bucket = server.bench_bucket()  # direct: the fault tests' relay would cap the rate
             server.client().put_object(Bucket=bucket, Key="o", Body=os.urandom(size))
             os.environ["DFLASH_S3_CLIENT"] = "s3fs"  # dflash's fsspec path (auto would take obstore)
             clients = {"s3fs": open_storage(f"s3://{bucket}").read_range}

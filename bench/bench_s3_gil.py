@@ -192,9 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         server = S3Server.start(Path(work))
         try:
-            server.bypass_relay()  # the relay's Python threads would be measured too
-            os.environ.update(server.env)
-            bucket = server.new_bucket()
+            bucket = server.bench_bucket()  # direct: the relay's Python threads would be measured too
             server.client().put_object(Bucket=bucket, Key="o", Body=os.urandom(size))
             reads = clients(server, bucket)
             if args.spin_ms:

@@ -149,6 +149,13 @@ class S3Server:
         self.endpoint = f"http://127.0.0.1:{self.server_port}"
         self.env["AWS_ENDPOINT_URL"] = self.endpoint
 
+    def bench_bucket(self) -> str:
+        """For the benches: talk to moto directly (`bypass_relay`), put its endpoint and credentials in this
+        process's environment (where dflash's storage and boto read them) and return a new bucket."""
+        self.bypass_relay()
+        os.environ.update(self.env)
+        return self.new_bucket()
+
     def client(self):  # boto3, for setting up and inspecting buckets
         import boto3
 

@@ -317,7 +317,7 @@ def torch_delta_rule_for_training(model: Any) -> Iterator[str | None]:
         if callable(layer_fn):
             restore.append((module, "chunk_gated_delta_rule", layer_fn))
             module.chunk_gated_delta_rule = inspect.unwrap(torch_fn)
-        if inspect.unwrap(torch_fn) is not torch_fn and all(m is not modeling for m, _, _ in restore):
+        if inspect.unwrap(torch_fn) is not torch_fn:  # not yet patched: a patched one is its own unwrap
             restore.append((modeling, "torch_chunk_gated_delta_rule", torch_fn))
             modeling.torch_chunk_gated_delta_rule = inspect.unwrap(torch_fn)
     try:

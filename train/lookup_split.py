@@ -66,10 +66,10 @@ class SplitSums:
 def span_room(loss_mask: np.ndarray, block_size: int) -> np.ndarray:
     """[S] int64: per position a, how many of slots a+1 .. a+B-1 are consecutive loss-mask ones."""
     mask = np.asarray(loss_mask).astype(bool)
-    run = np.zeros(mask.size + 1, dtype=np.int64)  # run[i]: consecutive ones from i on
-    for i in range(mask.size - 1, -1, -1):
-        run[i] = run[i + 1] + 1 if mask[i] else 0
-    return np.minimum(run[1:], block_size - 1)
+    index = np.arange(mask.size + 1)
+    # the first zero at or after each position (a zero past the end): ones from i on = that zero's index - i
+    next_zero = np.minimum.accumulate(np.where(np.append(mask, False), index.size, index)[::-1])[::-1]
+    return np.minimum(next_zero[1:] - index[1:], block_size - 1)
 
 
 def split_sums(

@@ -167,7 +167,7 @@ def test_prose_target_trains_on_chat_rows_and_packs_into_its_own_folder(
     assert len(turns) > 100 and all(t.startswith(("user\n", "assistant\n")) for t in turns)
     assert _CODE_LINE.search(corpus) is None
     # Its pack parts are its own and carry everything a later call needs: no corpus is read again.
-    assert sorted(p.name for p in pack.iterdir()) == ["quality-work-prose.tar.00"]
+    assert sorted(p.name for p in pack.iterdir()) == ["quality-work-prose.tgz.00"]
 
     def no_corpus(*_args):
         raise AssertionError("the corpus was read again")

@@ -10,12 +10,14 @@ import torch
 from dflash.train.blocks import (
     SequenceInput,
     build_blocks,
+    copy_preference,
     default_gamma,
     eligible_anchors,
     make_packed_batch,
     sample_anchors,
     slot_weights,
 )
+from dflash.train.lookup import lookup_accepted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -45,6 +47,74 @@ def test_sample_anchors_is_uniform_and_redrawn() -> None:
     counts = torch.bincount(torch.cat(draws), minlength=40).float()
     assert counts.sum() == 4000 and counts.min() > 60 and counts.max() < 140  # each expected 100
     assert eligible_anchors(loss_mask).tolist() == list(range(40))
+
+
+@given(
+    mask=st.lists(st.booleans(), min_size=1, max_size=60),
+    num=st.integers(1, 70),
+    seed=st.integers(0, 2**31),
+    odds=st.lists(st.floats(1.0, 50.0), min_size=60, max_size=60),
+)
+@settings(max_examples=100, deadline=None)
+def test_preferred_anchors_keep_the_uniform_draws_properties(
+    mask: list[bool], num: int, seed: int, odds: list[float]
+) -> None:
+    loss_mask = torch.tensor(mask)
+    prefer = torch.tensor(odds[: len(mask)], dtype=torch.float64)
+    anchors = sample_anchors(loss_mask, num, torch.Generator().manual_seed(seed), prefer)
+    eligible = {a for a in range(len(mask) - 1) if mask[a] and mask[a + 1]}
+    assert set(anchors.tolist()) <= eligible
+    assert len(anchors) == min(num, len(eligible)) == len(set(anchors.tolist()))
+    assert anchors.tolist() == sorted(anchors.tolist())
+    assert torch.equal(anchors, sample_anchors(loss_mask, num, torch.Generator().manual_seed(seed), prefer))
+
+
+def test_copy_preference_draws_anchors_lookup_copies_more_often() -> None:
+    # a response that repeats a 12-token phrase: from its second occurrence on, lookup copies whole blocks
+    phrase = list(range(10, 22))
+    ids = torch.tensor([1, 2, 3, *phrase, 4, 5, 6, 7, *phrase, 8, 9])
+    mask = torch.zeros(ids.numel(), dtype=torch.bool)
+    mask[3:] = True
+    prefer = copy_preference(ids, mask, block_size=4, weight=9.0)
+    copied = lookup_accepted(ids.numpy(), mask.numpy(), 3)
+    assert prefer.tolist() == [1.0 + 8.0 * max(0, int(c)) / 3 for c in copied]
+    assert prefer.max() == 9.0 and prefer[3] == 1.0  # the first occurrence cannot be copied
+    whole = torch.from_numpy(copied == 3)
+    gen = torch.Generator().manual_seed(0)
+    uniform = torch.cat([sample_anchors(mask, 4, gen) for _ in range(300)])
+    weighted = torch.cat([sample_anchors(mask, 4, gen, prefer) for _ in range(300)])
+    share = [float(whole[a].float().mean()) for a in (uniform, weighted)]
+    assert share[1] > 1.5 * share[0]  # ~9x the odds, without replacement from a handful of positions
+    # weight 1 is the uniform draw itself, and evaluation-style explicit anchors ignore the odds
+    one = copy_preference(ids, mask, block_size=4, weight=1.0)
+    assert torch.equal(one, torch.ones_like(one))
+
+
+def test_packed_batch_with_copy_weight_draws_its_anchors_by_lookup() -> None:
+    phrase = list(range(10, 30))
+    ids = torch.tensor([1, *phrase, *range(40, 60), *phrase, 2])
+    seq = SequenceInput(
+        input_ids=ids,
+        loss_mask=torch.ones(ids.numel(), dtype=torch.bool),
+        features=torch.zeros(ids.numel(), 4),
+    )
+    copied = torch.from_numpy(lookup_accepted(ids.numpy(), seq.loss_mask.numpy(), 3) == 3)
+    shares = []
+    for weight in (1.0, 50.0):
+        gen = torch.Generator().manual_seed(1)
+        picks = [
+            make_packed_batch(
+                [seq],
+                block_size=4,
+                mask_token_id=MASK,
+                num_anchors=5,
+                generator=gen,
+                copy_anchor_weight=weight,
+            ).anchor_pos
+            for _ in range(100)
+        ]
+        shares.append(float(copied[torch.cat(picks)].float().mean()))
+    assert shares[0] < 0.4 < 0.8 < shares[1]
 
 
 def test_labels_are_the_tokens_at_block_positions() -> None:

@@ -133,6 +133,20 @@ def test_evaluation_readers_run_torch_on_one_thread_and_report_their_time(
     assert 0 < result["eval_walk_seconds"] <= result["eval_seconds"]
 
 
+def test_evaluation_draws_uniform_anchors_whatever_training_drew(cache_dir: Path) -> None:
+    # --copy-anchor-weight changes which anchors TRAINING sees; held-out metrics of runs with and without it
+    # must be measured on the same anchors, or their tau would not compare
+    frozen = load_frozen_target(cache_dir, dtype=torch.float32)
+    results = []
+    for weight in (1.0, 20.0):
+        spec = _spec(copy_anchor_weight=weight)
+        with Cache.open(cache_dir) as cache:
+            result = evaluate(_model(frozen), frozen, cache, build_eval_set(cache, spec), spec,
+                              device=torch.device("cpu"), walk=False)  # fmt: skip
+        results.append({k: v for k, v in result.items() if "seconds" not in k})
+    assert results[0] == results[1] and results[0]["eval_samples"] > 0
+
+
 def _synthetic_accepted_at(model, frozen, sample, spec, *, device) -> torch.Tensor:
     """A drafter whose A varies with the anchor (0..B-1, at most the slots its span leaves), so every class
     sees short and whole blocks."""

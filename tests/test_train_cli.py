@@ -64,6 +64,7 @@ def test_config_file_keys_mirror_flags_and_flags_win(tmp_path: Path, suffix: str
         (["--cache", "C", "--out", "O", "--token-budget", "100", "--max-length", "200"], "token_budget=100"),
         (["--cache", "C", "--out", "O", "--target-layer-ids", "1,x"], "target_layer_ids='1,x'"),
         (["--cache", "C", "--out", "O", "--eval-fraction", "1.5"], "eval_fraction=1.5"),
+        (["--cache", "C", "--out", "O", "--copy-anchor-weight", "0.5"], "copy_anchor_weight=0.5: must be"),
         (["--cache", "/nonexistent/cache", "--out", "O"], "no manifest"),
         (["--cache", "C", "--out", "O", "--device", "cpu", "--attention", "flex"], "needs a CUDA device"),
     ],

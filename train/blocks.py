@@ -7,10 +7,12 @@ Public API (stable):
     default_gamma(block_size) -> float              7 / 5 / 4 for B = 16 / 10 / 8 (the rule lives in config.py)
     slot_weights(block_size, gamma) -> Tensor[B]    0 at slot 0, exp(-(k-1)/gamma) after
     eligible_anchors(loss_mask) -> LongTensor       positions a with loss_mask[a] and loss_mask[a+1]
-    sample_anchors(loss_mask, num_anchors, generator) -> LongTensor (sorted, distinct)
+    sample_anchors(loss_mask, num_anchors, generator, preference=None) -> LongTensor (sorted, distinct)
+    copy_preference(input_ids, loss_mask, block_size, weight) -> Tensor[S]   anchor odds by what lookup copies
     build_blocks(input_ids, loss_mask, anchors, block_size, mask_token_id, gamma) -> (block_ids, labels, weights)
     make_packed_batch(sequences, *, block_size, mask_token_id, num_anchors, gamma=None, generator=None,
-                      anchors=None, layer_ids=None, pad_blocks_to_multiple=1) -> PackedBatch
+                      anchors=None, layer_ids=None, pad_blocks_to_multiple=1, copy_anchor_weight=1.0)
+                      -> PackedBatch
 
 A sequence may be a `SequenceInput` or anything with `input_ids`, `loss_mask` and `hidden: dict[layer, [S, H]]`
 (a `dflash.shards` Sample); the latter needs `layer_ids` to pick and order the layers. Samples read from an
@@ -31,6 +33,7 @@ from dflash.shards import Fp8Block, dequantize_fp8
 from dflash.shards.qcodec import QBlock, dequantize_q
 
 from .config import default_gamma
+from .lookup import lookup_accepted
 
 
 @dataclass(slots=True)
@@ -133,16 +136,37 @@ def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    preference: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Up to `num_anchors` distinct eligible positions, uniformly without replacement, sorted."""
+    """Up to `num_anchors` distinct eligible positions without replacement, sorted: uniformly, or with odds
+    in proportion to `preference` ([S], positive where eligible) when it is given."""
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
     candidates = eligible_anchors(loss_mask)
     if candidates.numel() <= num_anchors:
         return candidates
-    pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
+    if preference is None:
+        pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
+    else:
+        odds = preference.double()[candidates]
+        pick = torch.multinomial(odds, num_anchors, replacement=False, generator=generator)
     return candidates[pick].sort().values
+
+
+def copy_preference(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, block_size: int, weight: float
+) -> torch.Tensor:
+    """[S] float64 anchor odds: 1 + (weight - 1) x the share of the block prompt lookup would copy there.
+
+    Where the drafter loses to prompt lookup is where lookup copies whole blocks (the quality benchmark's
+    lookup split); drawing those anchors more often shows the drafter more copies to learn from. Anchors
+    lookup cannot draft at all keep odds 1, so every eligible anchor can still be drawn."""
+    accepted = lookup_accepted(input_ids.numpy(), loss_mask.numpy(), block_size - 1)
+    share = torch.from_numpy(accepted.clip(min=0)).double() / (block_size - 1)
+    return 1.0 + (weight - 1.0) * share
 
 
 def build_blocks(
@@ -198,10 +222,12 @@ def make_packed_batch(
     layer_ids: Sequence[int] | None = None,
     pad_blocks_to_multiple: int = 1,
     feature_dtype: torch.dtype | None = None,
+    copy_anchor_weight: float = 1.0,
 ) -> PackedBatch:
     """Pack sequences into one row: all context tokens, then up to `num_anchors` blocks PER sequence.
 
     `anchors` (one tensor per sequence) replaces sampling, e.g. every eligible position for evaluation.
+    `copy_anchor_weight` != 1 draws anchors by `copy_preference` instead of uniformly.
     Padding blocks (block_seq -1, weight 0) round N up to a multiple of `pad_blocks_to_multiple`.
     """
     if not sequences:
@@ -223,7 +249,12 @@ def make_packed_batch(
                 f"sequence {index}: input_ids ({s}), loss_mask ({mask.shape[0]}) and features "
                 f"({[f.shape[0] for f in feats]}) disagree on length"
             )
-        chosen = sample_anchors(mask, num_anchors, generator) if anchors is None else anchors[index].long()
+        if anchors is not None:
+            chosen = anchors[index].long()
+        else:
+            weight = copy_anchor_weight
+            prefer = None if weight == 1.0 else copy_preference(ids, mask, block_size, weight)
+            chosen = sample_anchors(mask, num_anchors, generator, prefer)
         blk, lab, wt = build_blocks(ids, mask, chosen, block_size, mask_token_id, gamma)
         parts.append(feats)
         lengths.append(s)

@@ -122,6 +122,12 @@ def _train_parser() -> argparse.ArgumentParser:
     model.add_argument("--block-size", type=int, help="B: the anchor plus B - 1 drafted tokens")
     model.add_argument("--num-anchors", type=int, help="anchors sampled per sequence")
     model.add_argument(
+        "--copy-anchor-weight",
+        type=float,
+        help="odds of an anchor where prompt lookup would copy the whole block, against 1 where it copies "
+        "nothing (in between by the share it copies; default 1: uniform)",
+    )
+    model.add_argument(
         "--gamma",
         type=float,
         help="loss decay over block positions (default by block size; with --slot-weights reach, the floor: 1)",

@@ -89,12 +89,17 @@ class DraftSpec:
     slot_weights: str = "decay"
     mask_token_id: int | None = None
     distill: float = 0.0  # share of the target's distribution in each label (loss.Distill); 0: hard labels
+    copy_anchor_weight: float = 1.0  # odds of anchors prompt lookup copies (blocks.copy_preference)
 
     def __post_init__(self) -> None:
         _positive("num_draft_layers", self.num_draft_layers)
         if not 0.0 <= self.distill <= 1.0:
             raise ValueError(f"distill={self.distill}: must be in [0, 1] (0: hard labels, 1: the target's)")
         _positive("num_anchors", self.num_anchors)
+        if not (self.copy_anchor_weight >= 1.0 and math.isfinite(self.copy_anchor_weight)):
+            raise ValueError(
+                f"copy_anchor_weight={self.copy_anchor_weight}: must be a finite number >= 1 (1: uniform anchors)"
+            )
         if self.block_size < 2:
             raise ValueError(
                 f"block_size={self.block_size}: a block needs the anchor and at least one draft slot"

@@ -44,6 +44,7 @@ class DataSpec:
     mask_token_id: int
     num_anchors: int
     gamma: float
+    copy_anchor_weight: float = 1.0  # anchors' odds where prompt lookup copies (blocks.copy_preference)
     token_budget: int
     max_length: int
     on_corrupt: str = "fail"
@@ -86,6 +87,7 @@ class DataSpec:
             mask_token_id=drafter_cfg.mask_token_id,
             num_anchors=cfg.drafter.num_anchors,
             gamma=cfg.drafter.loss_gamma,
+            copy_anchor_weight=cfg.drafter.copy_anchor_weight,
             token_budget=cfg.data.token_budget,
             max_length=cfg.data.max_length,
             on_corrupt=cfg.data.on_corrupt,
@@ -120,6 +122,7 @@ class DataSpec:
             anchors=anchors,
             layer_ids=self.layer_ids,
             pad_blocks_to_multiple=self.pad_blocks_to_multiple,
+            copy_anchor_weight=self.copy_anchor_weight,
         )
 
 

@@ -48,8 +48,9 @@ class TargetSpec:
     corpus_mb: float  # text read from the source files (train + held-out)
     bpe_mb: float  # of which the tokenizer learns from
     kind: str = "code"
-    # torch.compile the training step's model: the hybrid's torch delta rule (the only one that trains on the
-    # H200, `torch_delta_rule_for_training`) ran 4.5 steps/s there eager, too slow for one 10-minute call
+    # torch.compile the training step's model. On the H200 the hybrid's torch delta rule (the only one that
+    # trains there, `torch_delta_rule_for_training`) ran 4.5 steps/s eager and 5.25 compiled (BENCHMARKS.md):
+    # +17% once compiled, less than the compile costs on a 2500-step target, so it is off by default
     compile: bool = False
 
 

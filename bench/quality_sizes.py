@@ -40,7 +40,8 @@ class DrafterRecipe:
             "--max-steps", str(self.steps),
             "--epochs", "1000",
             *(["--target-layer-ids", self.target_layer_ids] if self.target_layer_ids else []),
-            *(["--gamma", str(self.gamma)] if self.gamma is not None else []),
+            # a fixed decay, as every recorded run of this benchmark (dflash-train's default is `reach`)
+            *(["--slot-weights", "decay", "--gamma", str(self.gamma)] if self.gamma is not None else []),
             *self.extra,
         ]  # fmt: skip
 

@@ -136,11 +136,19 @@ def test_trainer_weighs_slots_and_checkpoints_the_state(cache_dir: Path, tmp_pat
 def test_a_checkpoint_from_before_the_setting_resumes(cache_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     common = {"eval_every": 0, "tensorboard": False, "plots": False}
-    train(tiny_debug(str(cache_dir), str(run), max_steps=2, **common))
+    train(tiny_debug(str(cache_dir), str(run), max_steps=2, slot_weights="decay", **common))
     meta_path = run / "checkpoints" / "step_000002" / "meta.json"
     meta = json.loads(meta_path.read_text())
-    del meta["config"]["slot_weights"]
+    del meta["config"]["slot_weights"]  # written before the setting existed: the paper's decay trained it
     meta_path.write_text(json.dumps(meta))
-    assert train(tiny_debug(str(cache_dir), str(run), max_steps=3, resume=True, **common)).step == 3
-    with pytest.raises(ValueError, match=r"slot_weights: 'decay' \(checkpoint\) != 'reach'"):
-        train(tiny_debug(str(cache_dir), str(run), max_steps=4, resume=True, slot_weights="reach", **common))
+    # today's default is reach: resuming such a run without the flag is refused, naming the flag that resumes it
+    with pytest.raises(
+        ValueError, match=r"slot_weights: 'decay' \(checkpoint\) != 'reach'.*add --slot-weights decay"
+    ):
+        train(tiny_debug(str(cache_dir), str(run), max_steps=3, resume=True, **common))
+    assert (
+        train(
+            tiny_debug(str(cache_dir), str(run), max_steps=3, resume=True, slot_weights="decay", **common)
+        ).step
+        == 3
+    )

@@ -29,6 +29,25 @@ def test_paper_recipe_defaults() -> None:
     assert config_from_flat(cfg.to_flat()) == cfg  # flat round trip (what meta.json stores)
 
 
+def test_the_default_is_the_paper_recipe_with_reach_weights_and_preset_paper_is_the_paper(capsys) -> None:
+    default = cli.build_config(["--cache", "C", "--out", "O"])
+    paper = cli.build_config(["--cache", "C", "--out", "O", "--preset", "paper"])
+    assert (default.drafter.slot_weights, paper.drafter.slot_weights) == ("reach", "decay")
+    assert (default.drafter.loss_gamma, paper.drafter.loss_gamma) == (1.0, 7.0)  # reach's floor; the paper's
+    # nothing else differs: the default keeps the paper's shape, optimizer and schedule
+    differ = {k for k, v in default.to_flat().items() if paper.to_flat()[k] != v}
+    assert differ == {"slot_weights"}
+    assert (
+        cli.build_config(["--cache", "C", "--out", "O", "--preset", "paper", "--slot-weights", "reach"])
+        == default
+    )
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: reach; --preset paper: decay; --preset tiny:" not in shown  # tiny follows the default
+    assert "(default: reach; --preset paper: decay)" in shown
+
+
 @pytest.mark.parametrize("suffix", [".json", ".toml"])
 def test_config_file_keys_mirror_flags_and_flags_win(tmp_path: Path, suffix: str) -> None:
     path = tmp_path / f"run{suffix}"

@@ -208,6 +208,8 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 # --- resume checks -------------------------------------------------------------------------------------
 
 # Settings a resume may change: they do not alter the trajectory (or only extend it).
+# What a run trained with where its checkpoint lacks the key: defaults that changed since the key was added
+BEFORE_DEFAULTS = {"slot_weights": "decay"}
 RESUMABLE_KEYS = frozenset(
     {
         "cache",
@@ -260,20 +262,28 @@ def check_resume(saved: dict[str, Any], cfg_flat: dict[str, Any], manifest: Mani
     """Refuse a resume that would change the trajectory: other settings, or another cache (provenance,
     or any shard added, removed or rewritten since the checkpoint), naming what differs."""
     now = cfg_flat
-    # A setting added since the checkpoint was written trained it at its default.
+    # A setting added since the checkpoint was written trained it at its default of the time: today's, but
+    # for a default that changed since (BEFORE_DEFAULTS).
     for key in ("config", "cache_provenance"):
         if not isinstance(saved.get(key), dict):
             raise CheckpointError(f"checkpoint meta.json: {key} must be a JSON object")
-    then = {**TrainConfig(cache="cache", out="run").to_flat(), **saved["config"]}
+    then = {**TrainConfig(cache="cache", out="run").to_flat(), **BEFORE_DEFAULTS, **saved["config"]}
     changed = [
         f"{k}: {then.get(k)!r} (checkpoint) != {now[k]!r}"
         for k in sorted(now)
         if k not in RESUMABLE_KEYS and then.get(k) != now[k]
     ]
     if changed:
+        # runs started before `reach` became the default were trained with the paper's decay
+        older = then.get("slot_weights") == "decay" and now.get("slot_weights") == "reach"
+        hint = (
+            " (a run started before --slot-weights defaulted to reach: add --slot-weights decay)"
+            if older
+            else ""
+        )
         raise ValueError(
             f"--resume with settings that change the trajectory: {'; '.join(changed)}; "
-            "use the checkpoint's settings or start a new --out"
+            f"use the checkpoint's settings or start a new --out{hint}"
         )
     diffs = diff_manifests(saved["cache_provenance"], manifest.to_dict())
     if diffs:

@@ -1,7 +1,8 @@
 """`dflash-train`: train a DFlash drafter from a cache; `dflash-train export RUN_DIR --out DIR` exports one.
 
 Flags mirror `TrainConfig`'s flat keys; `--config FILE` (JSON or TOML, same keys) is applied first and
-flags given on the command line win. `--preset tiny` starts from the CPU smoke-test preset.
+flags given on the command line win. `--preset paper` starts from the DFlash paper's recipe as published,
+`--preset tiny` from the CPU smoke-test preset.
 Launch on N GPUs with `torchrun --nproc-per-node N dflash-train ...`.
 """
 
@@ -25,11 +26,13 @@ from .config import (
     DEVICE_CHOICES,
     ON_CORRUPT_CHOICES,
     SLOT_WEIGHT_CHOICES,
-    config_from_flat,
+    default_recipe,
     load_config_file,
     paper_recipe,
     tiny_debug,
 )
+
+PRESETS = {"default": default_recipe, "paper": paper_recipe, "tiny": tiny_debug}
 
 PROG = "dflash-train"
 
@@ -43,7 +46,9 @@ def _train_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="JSON/TOML file of flag names -> values (flags given here override it)")
     p.add_argument(
-        "--preset", choices=("paper", "tiny"), help="starting point: the paper recipe (default) or tiny"
+        "--preset",
+        choices=tuple(PRESETS),
+        help="starting point: default (the paper's recipe, --slot-weights reach), paper (as published) or tiny",
     )
     run = p.add_argument_group("run")
     run.add_argument("--cache", help="cache directory written by dflash-extract")
@@ -170,17 +175,17 @@ def _shown(value: Any) -> str:
 
 
 def _show_preset_defaults(p: argparse.ArgumentParser) -> None:
-    """Every flag's help ends with its default: the paper preset's value (and tiny's where it differs).
+    """Every flag's help ends with its default (and the other presets' values where they differ).
     The parser itself has no defaults (SUPPRESS): a flag left out must not override --config."""
-    paper = paper_recipe("CACHE", "OUT").to_flat()
-    tiny = tiny_debug("CACHE", "OUT").to_flat()
+    default, *others = ((name, preset("CACHE", "OUT").to_flat()) for name, preset in PRESETS.items())
     for action in p._actions:
         key = action.dest
-        if key not in paper or key in ("cache", "out", "resume") or "default" in (action.help or ""):
+        if key not in default[1] or key in ("cache", "out", "resume") or "default" in (action.help or ""):
             continue
-        text = f"default: {_shown(paper[key])}"
-        if tiny[key] != paper[key]:
-            text += f"; --preset tiny: {_shown(tiny[key])}"
+        text = f"default: {_shown(default[1][key])}"
+        for name, flat in others:
+            if flat[key] != default[1][key]:
+                text += f"; --preset {name}: {_shown(flat[key])}"
         action.help = f"{action.help} ({text})" if action.help else f"({text})"
 
 
@@ -209,18 +214,18 @@ def parse_command(argv: Sequence[str]) -> tuple[Any, bool]:
     args = vars(_train_parser().parse_args(argv))
     dry = bool(args.pop("dry_run", False))
     values: dict[str, Any] = {}
-    preset = args.pop("preset", "paper")
+    preset = args.pop("preset", "default")
     file = args.pop("config", None)
     if file is not None:
         values.update({k.replace("-", "_"): v for k, v in load_config_file(file).items()})
         preset = values.pop("preset", preset)
     values.update(args)
-    if preset == "tiny":
-        for name in ("cache", "out"):
-            if name not in values:
-                raise ValueError(f"{name} is required: pass --{name} or set it in the config file")
-        return tiny_debug(**values), dry
-    return config_from_flat(values), dry
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r}: choose one of {', '.join(PRESETS)}")
+    for name in ("cache", "out"):
+        if name not in values:
+            raise ValueError(f"{name} is required: pass --{name} or set it in the config file")
+    return PRESETS[preset](**values), dry
 
 
 def export_main(argv: Sequence[str]) -> int:

@@ -95,6 +95,15 @@ def test_bad_settings_are_one_line_errors(argv: list[str], message: str, capsys,
     assert err.startswith("dflash-train: error:") and message in err and "\n" not in err
 
 
+def test_a_config_files_preset_must_be_one_of_the_presets(tmp_path: Path, capsys) -> None:
+    for preset in ("fast", ["tiny"]):
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps({"cache": "C", "out": str(tmp_path / "o"), "preset": preset}))
+        assert cli.main(["--config", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "preset=" in err and "choose one of default, paper, tiny" in err and "\n" not in err
+
+
 def test_unknown_config_key(tmp_path: Path, capsys) -> None:
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"cache": "C", "out": "O", "learning_rate": 1}))

@@ -207,9 +207,10 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 
 # --- resume checks -------------------------------------------------------------------------------------
 
-# Settings a resume may change: they do not alter the trajectory (or only extend it).
 # What a run trained with where its checkpoint lacks the key: defaults that changed since the key was added
 BEFORE_DEFAULTS = {"slot_weights": "decay"}
+
+# Settings a resume may change: they do not alter the trajectory (or only extend it).
 RESUMABLE_KEYS = frozenset(
     {
         "cache",

@@ -220,7 +220,7 @@ def parse_command(argv: Sequence[str]) -> tuple[Any, bool]:
         values.update({k.replace("-", "_"): v for k, v in load_config_file(file).items()})
         preset = values.pop("preset", preset)
     values.update(args)
-    if preset not in PRESETS:
+    if not isinstance(preset, str) or preset not in PRESETS:
         raise ValueError(f"preset={preset!r}: choose one of {', '.join(PRESETS)}")
     for name in ("cache", "out"):
         if name not in values:

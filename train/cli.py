@@ -135,7 +135,8 @@ def _train_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--gamma",
         type=float,
-        help="loss decay over block positions (default by block size; with --slot-weights reach, the floor: 1)",
+        help="loss decay over block positions: reach's floor (default 1), or with --slot-weights decay the "
+        "decay itself (default by block size: 7 for B = 16)",
     )
     model.add_argument(
         "--slot-weights",

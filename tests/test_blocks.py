@@ -25,17 +25,22 @@ MASK = 99
 
 
 @given(
-    mask=st.lists(st.booleans(), min_size=1, max_size=60), num=st.integers(1, 70), seed=st.integers(0, 2**31)
+    mask=st.lists(st.booleans(), min_size=1, max_size=60),
+    num=st.integers(1, 70),
+    seed=st.integers(0, 2**31),
+    odds=st.none() | st.lists(st.floats(1.0, 50.0), min_size=60, max_size=60),
 )
 @settings(max_examples=150, deadline=None)
-def test_sample_anchors_properties(mask: list[bool], num: int, seed: int) -> None:
+def test_sample_anchors_properties(mask: list[bool], num: int, seed: int, odds: list[float] | None) -> None:
+    # uniform (odds None) or by preference (--copy-anchor-weight): the same guarantees either way
     loss_mask = torch.tensor(mask)
-    anchors = sample_anchors(loss_mask, num, torch.Generator().manual_seed(seed))
+    prefer = None if odds is None else torch.tensor(odds[: len(mask)], dtype=torch.float64)
+    anchors = sample_anchors(loss_mask, num, torch.Generator().manual_seed(seed), prefer)
     eligible = {a for a in range(len(mask) - 1) if mask[a] and mask[a + 1]}
     assert set(anchors.tolist()) <= eligible
     assert len(anchors) == min(num, len(eligible)) == len(set(anchors.tolist()))
     assert anchors.tolist() == sorted(anchors.tolist())
-    again = sample_anchors(loss_mask, num, torch.Generator().manual_seed(seed))
+    again = sample_anchors(loss_mask, num, torch.Generator().manual_seed(seed), prefer)
     assert torch.equal(anchors, again)
 
 
@@ -47,26 +52,6 @@ def test_sample_anchors_is_uniform_and_redrawn() -> None:
     counts = torch.bincount(torch.cat(draws), minlength=40).float()
     assert counts.sum() == 4000 and counts.min() > 60 and counts.max() < 140  # each expected 100
     assert eligible_anchors(loss_mask).tolist() == list(range(40))
-
-
-@given(
-    mask=st.lists(st.booleans(), min_size=1, max_size=60),
-    num=st.integers(1, 70),
-    seed=st.integers(0, 2**31),
-    odds=st.lists(st.floats(1.0, 50.0), min_size=60, max_size=60),
-)
-@settings(max_examples=100, deadline=None)
-def test_preferred_anchors_keep_the_uniform_draws_properties(
-    mask: list[bool], num: int, seed: int, odds: list[float]
-) -> None:
-    loss_mask = torch.tensor(mask)
-    prefer = torch.tensor(odds[: len(mask)], dtype=torch.float64)
-    anchors = sample_anchors(loss_mask, num, torch.Generator().manual_seed(seed), prefer)
-    eligible = {a for a in range(len(mask) - 1) if mask[a] and mask[a + 1]}
-    assert set(anchors.tolist()) <= eligible
-    assert len(anchors) == min(num, len(eligible)) == len(set(anchors.tolist()))
-    assert anchors.tolist() == sorted(anchors.tolist())
-    assert torch.equal(anchors, sample_anchors(loss_mask, num, torch.Generator().manual_seed(seed), prefer))
 
 
 def test_copy_preference_draws_anchors_lookup_copies_more_often() -> None:
@@ -85,7 +70,7 @@ def test_copy_preference_draws_anchors_lookup_copies_more_often() -> None:
     weighted = torch.cat([sample_anchors(mask, 4, gen, prefer) for _ in range(300)])
     share = [float(whole[a].float().mean()) for a in (uniform, weighted)]
     assert share[1] > 1.5 * share[0]  # ~9x the odds, without replacement from a handful of positions
-    # weight 1 is the uniform draw itself, and evaluation-style explicit anchors ignore the odds
+    # weight 1: every anchor at odds 1, the uniform draw
     one = copy_preference(ids, mask, block_size=4, weight=1.0)
     assert torch.equal(one, torch.ones_like(one))
 

@@ -275,13 +275,13 @@ def check_resume(saved: dict[str, Any], cfg_flat: dict[str, Any], manifest: Mani
         if k not in RESUMABLE_KEYS and then.get(k) != now[k]
     ]
     if changed:
-        # runs started before `reach` became the default were trained with the paper's decay
-        older = then.get("slot_weights") == "decay" and now.get("slot_weights") == "reach"
-        hint = (
-            " (a run started before --slot-weights defaulted to reach: add --slot-weights decay)"
-            if older
-            else ""
-        )
+        # a run from before a default changed (BEFORE_DEFAULTS) resumes with the old value as a flag
+        flags = [
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in BEFORE_DEFAULTS.items()
+            if then.get(k) == v != now.get(k)
+        ]
+        hint = f" (a run started before a default changed: add {' '.join(flags)})" if flags else ""
         raise ValueError(
             f"--resume with settings that change the trajectory: {'; '.join(changed)}; "
             f"use the checkpoint's settings or start a new --out{hint}"

@@ -178,14 +178,15 @@ def _shown(value: Any) -> str:
 def _show_preset_defaults(p: argparse.ArgumentParser) -> None:
     """Every flag's help ends with its default (and the other presets' values where they differ).
     The parser itself has no defaults (SUPPRESS): a flag left out must not override --config."""
-    default, *others = ((name, preset("CACHE", "OUT").to_flat()) for name, preset in PRESETS.items())
+    flats = {name: preset("CACHE", "OUT").to_flat() for name, preset in PRESETS.items()}
+    default = flats.pop("default")
     for action in p._actions:
         key = action.dest
-        if key not in default[1] or key in ("cache", "out", "resume") or "default" in (action.help or ""):
+        if key not in default or key in ("cache", "out", "resume") or "default" in (action.help or ""):
             continue
-        text = f"default: {_shown(default[1][key])}"
-        for name, flat in others:
-            if flat[key] != default[1][key]:
+        text = f"default: {_shown(default[key])}"
+        for name, flat in flats.items():
+            if flat[key] != default[key]:
                 text += f"; --preset {name}: {_shown(flat[key])}"
         action.help = f"{action.help} ({text})" if action.help else f"({text})"
 

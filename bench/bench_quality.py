@@ -18,7 +18,8 @@ code's phases, W/prose and W/hybrid the others', and --pack/--unpack name their 
     --target hybrid    Qwen3.5's text decoder (Gated DeltaNet and full attention layers, 3:1), code corpus, as
                        many parameters (FLA's kernels on a GPU, transformers' torch fallbacks on a CPU)
 
-Longer than one call of a rationed machine (`--size full`: six 6000-step runs side by side train ~21 min):
+Longer than one call of a rationed machine (`--size full`, 5 drafter layers to quick's 3: six 6000-step runs side
+by side trained ~21 min with 3 layers):
 start it detached (`setsid nohup python bench/bench_quality.py ... > W/bench.log 2>&1 &`) and read each run's
 `W/runs/*/metrics.jsonl` from later calls while the machine is still held. The first codec's first seed
 evaluates along the way (`eval_points`), the other runs at their end; `--train-args "--eval-every 1500"` makes
@@ -133,6 +134,32 @@ def phase_target(work: Path, size: Size, device: str, seed: int) -> tuple[dict[s
                       "heldout_tokens": sum(corpus["heldout"]), "sha256": corpus.get("sha256")}  # fmt: skip
     done.write_text(json.dumps(info, indent=1) + "\n")  # later calls need neither the corpus nor its tokens
     return info, tokenizer, train_files, held_files
+
+
+# Settings that do not change the trained target (how fast it trained), left out of the comparison below.
+_SPEED_ONLY = frozenset({"compile"})
+
+
+def work_mismatch(work: Path, size: Size) -> str | None:
+    """What in `work` was built for another size or target than `size` (phases are reused when their outputs
+    exist, so a --work of another size would otherwise train and score drafters on the wrong target)."""
+    done = work / "target" / "bench_target.json"
+    if done.is_file():
+        built = json.loads(done.read_text()).get("spec", {})
+        built.setdefault("kind", "code")  # written before there were other targets
+        wanted = asdict(size.target)
+        differ = [k for k in wanted if k in built and k not in _SPEED_ONLY and built[k] != wanted[k]]
+        if differ:
+            shown = ", ".join(f"{k} {built[k]} (wants {wanted[k]})" for k in differ)
+            return f"{done.parent} is another target: {shown}"
+    rows = work / "data" / "rows.json"
+    if rows.is_file():
+        meta = json.loads(rows.read_text())
+        spec = size.data
+        if (meta["train_rows"], len(meta["eval_rows"])) != (spec.train_rows, spec.eval_rows):
+            return (f"{rows.parent} holds {meta['train_rows']} training and {len(meta['eval_rows'])} evaluation "
+                    f"rows (wants {spec.train_rows} and {spec.eval_rows})")  # fmt: skip
+    return None
 
 
 def _load_files(path: Path, lengths: list[int]) -> list[np.ndarray]:
@@ -283,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-after", choices=("data", "extract"), help="end after this phase")
     p.add_argument("--json", help="also write the report here")
     args = p.parse_args(argv)
-    size = SIZES["quick" if args.quick else args.size]
+    size_name = "quick" if args.quick else args.size
+    size = SIZES[size_name]
     if args.seeds:
         size = replace(size, seeds=args.seeds)
     if args.fractions:
@@ -295,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if args.unpack and unpack(Path(args.unpack), work, args.target):
         print(f"unpacked target/ and data/ from {args.unpack}", flush=True)
+    mismatch = work_mismatch(work, size)
+    if mismatch:
+        raise SystemExit(f"error: --size {size_name} --target {args.target}: {mismatch}; use another --work")
     seconds: dict[str, float] = {}
 
     def timed(name: str, fn: Any) -> Any:

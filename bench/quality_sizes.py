@@ -164,13 +164,17 @@ SIZES: dict[str, Size] = {
 # 6000 steps (~9.2 epochs): on one target instance, three seeds each, a 4500-step schedule ended at 1.49x
 # prompt lookup and a 6000-step one at 1.54x (every seed above 1.5x), while `--slot-weights reach` at 4500
 # steps walked 1.48x (BENCHMARKS.md); several calls of one H200 (six runs side by side: ~21 minutes, scaled
-# from six 4500-step ones' 950 s). The first codec's first seed evaluates every 1500 steps.
+# from six 4500-step ones' 950 s, before the depth below). The first codec's first seed evaluates every 1500
+# steps. Five drafter layers (`dflash-train`'s default), chosen by the worst target: the hybrid walked 1.33x
+# prompt lookup with 5 layers and 1.23x with 3 at 3000 steps (two and three seeds), and a deeper drafter walked
+# further on every target tried at the `cpu` size (BENCHMARKS.md); for a host-bound drafter of this size the
+# two layers cost little time. The quick size keeps 3 to fit one call from scratch.
 SIZES["full"] = replace(
     SIZES["quick"],
     seeds=3,
     fractions=(0.25, 0.5, 1.0),
     codecs=("lossless", "fp8", "q4"),
-    drafter=replace(SIZES["quick"].drafter, steps=6000, eval_points=4),
+    drafter=replace(SIZES["quick"].drafter, layers=5, steps=6000, eval_points=4),
 )
 
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -87,6 +87,38 @@ def test_first_seed_adds_seeds_to_an_earlier_experiment(tmp_path: Path) -> None:
     assert sorted(r.name for r in runs) == ["a-lossless-f0.25-s2", "a-lossless-f1-s2", "a-q4-f1-s2"]
     assert [r.name for r in runs if r.curve] == ["a-lossless-f1-s2"]
     assert all(r.dir == tmp_path / r.name for r in runs)
+
+
+def test_a_work_folder_of_another_size_or_target_is_refused_before_any_phase(tmp_path: Path, capsys) -> None:
+    # Phases are reused when their outputs exist: a --work built at the ci size must not be trained and scored
+    # as the cpu size's target (a run of 40 minutes on a 100k-parameter LM, tau_walk saturated at the block).
+    work = tmp_path / "q"
+    (work / "target").mkdir(parents=True)
+    ci = asdict(bench_quality.SIZES["ci"].target)
+    del ci["kind"]  # written before targets had kinds: code
+    (work / "target" / "bench_target.json").write_text(json.dumps({"spec": ci}))
+    with pytest.raises(SystemExit) as refused:
+        bench_quality.main(["--size", "cpu", "--device", "cpu", "--work", str(work), "--stop-after", "data"])
+    message = str(refused.value)
+    assert message.startswith("error: --size cpu --target code: ") and "\n" not in message
+    assert "hidden 48 (wants 128)" in message and message.endswith("use another --work")
+    assert not (work / "tokens").exists() and not (work / "data").exists()  # nothing was built beside it
+    # The size it was built for passes the check; a speed-only setting (compile) does not count.
+    assert bench_quality.work_mismatch(work, bench_quality.SIZES["ci"]) is None
+    ci_compiled = replace(
+        bench_quality.SIZES["ci"], target=replace(bench_quality.SIZES["ci"].target, compile=True)
+    )
+    assert bench_quality.work_mismatch(work, ci_compiled) is None
+    hybrid = replace(
+        bench_quality.SIZES["ci"], target=replace(bench_quality.SIZES["ci"].target, kind="hybrid")
+    )
+    assert "kind code (wants hybrid)" in bench_quality.work_mismatch(work, hybrid)
+    # Rows cut for another size are refused too.
+    (work / "data").mkdir()
+    (work / "data" / "rows.json").write_text(json.dumps({"train_rows": 7, "eval_rows": [7, 8]}))
+    assert "holds 7 training and 2 evaluation rows (wants 48 and 12)" in bench_quality.work_mismatch(
+        work, bench_quality.SIZES["ci"]
+    )
 
 
 def _split(full: tuple[float, float, float, float], none: tuple[float, float, float, float]) -> dict:

@@ -5,8 +5,8 @@
 
 Time on one H200 (BENCHMARKS.md): target 140 s, data 61 s (`--unpack` a packed target and data to skip both),
 extraction 48 s (fp8) / 76 s (lossless), side by side, then the runs side by side (each codec's as soon as its
-cache is complete; --quick's two at 1500 steps, ~2.3 epochs: 552 s from scratch to the table; the recipe's
-measure is the full size's 6000) and their evaluations.
+cache is complete; --quick's two at 1500 steps, ~2.3 epochs: 552 s from scratch to the table with 3 drafter
+layers, before the 5 it trains now; the recipe's measure is the full size's 6000) and their evaluations.
     python bench/bench_quality.py --size ci --device cpu     # seconds: every phase, tiny (CI runs this)
     python bench/bench_quality.py --size cpu --device cpu    # the development box: a real but small signal
 
@@ -18,8 +18,8 @@ code's phases, W/prose and W/hybrid the others', and --pack/--unpack name their 
     --target hybrid    Qwen3.5's text decoder (Gated DeltaNet and full attention layers, 3:1), code corpus, as
                        many parameters (FLA's kernels on a GPU, transformers' torch fallbacks on a CPU)
 
-Longer than one call of a rationed machine (`--size full`, 5 drafter layers to quick's 3: six 6000-step runs side
-by side trained ~21 min with 3 layers):
+Longer than one call of a rationed machine (`--size full`: six 6000-step runs side by side trained ~21 min with 3
+drafter layers, the sizes' depth before the 5 they train now):
 start it detached (`setsid nohup python bench/bench_quality.py ... > W/bench.log 2>&1 &`) and read each run's
 `W/runs/*/metrics.jsonl` from later calls while the machine is still held. The first codec's first seed
 evaluates along the way (`eval_points`), the other runs at their end; `--train-args "--eval-every 1500"` makes

@@ -181,13 +181,13 @@ def train_config(
         overrides.update(num_draft_layers=2, num_anchors=32)
     elif shape == "small":
         overrides.update(num_draft_layers=3)
-    cfg = paper_recipe(cache, out, **overrides, **extra)
+    cfg = paper_recipe(cache, out, **{**overrides, **extra})
     drafter = DrafterConfig.from_target_config(
         target,
         mask_token_id=target["vocab_size"] - 1,
         num_hidden_layers=cfg.drafter.num_draft_layers,
         block_size=cfg.drafter.block_size,
-        target_layer_ids=None,
+        target_layer_ids=cfg.drafter.target_layer_ids,
     )
     return cfg, drafter
 
@@ -305,6 +305,11 @@ def main() -> None:
         help="the small drafter (hidden 384, 3 layers, vocab 4096) on short rows: per-step overhead, not FLOPs",
     )
     p.add_argument("--device", default="cuda")
+    p.add_argument("--draft-layers", type=int, help="drafter layers (default: the shape's; 5, 3 for --small)")
+    p.add_argument(
+        "--feature-layers",
+        help="cached target layers the drafter reads, e.g. 1,3,5,7,9 (default: DFlash's rule)",
+    )
     p.add_argument("--codecs", default="lossless,fp8")
     p.add_argument("--samples", type=int, default=None)
     p.add_argument("--threads-sweep", default="1,2,4,8")
@@ -331,6 +336,11 @@ def main() -> None:
     loader_s = args.loader_seconds or (1.0 if args.tiny else (5.0 if args.quick else 10.0))
     budget = args.token_budget or (512 if args.tiny else 8192)
     threads_sweep = [int(t) for t in args.threads_sweep.split(",")]
+    recipe: dict[str, Any] = {}
+    if args.draft_layers:
+        recipe["num_draft_layers"] = args.draft_layers
+    if args.feature_layers:
+        recipe["target_layer_ids"] = args.feature_layers
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_train_"))
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -354,7 +364,7 @@ def main() -> None:
             )
             cfg, drafter = train_config(
                 str(cache), str(work / f"run_{codec}"), target, shape=shape, device=device, budget=budget,
-                max_len=max_len, threads=args.train_threads, compile=args.compile,
+                max_len=max_len, threads=args.train_threads, compile=args.compile, **recipe,
             )  # fmt: skip
             ceilings = [loader_ceiling(cfg, drafter, device, t, loader_s) for t in threads_sweep]
             shutil.rmtree(cfg.out, ignore_errors=True)

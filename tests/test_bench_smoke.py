@@ -47,7 +47,18 @@ RUNS = {
         "--profile",
     ],
     "train_step": ["bench/bench_train_step.py", "--tiny", "--device", "cpu", "--sections", "step,small"],
-    "train": ["bench/bench_train.py", "--tiny", "--device", "cpu", "--codecs", "fp8", "--threads-sweep", "1"],
+    "train": [
+        "bench/bench_train.py",
+        "--tiny",
+        "--device",
+        "cpu",
+        "--codecs",
+        "fp8",
+        "--threads-sweep",
+        "1",
+        "--draft-layers",
+        "3",
+    ],
     # moto's server, an upload, training by range reads and from kept shards (the H200's data-wait call)
     "data_wait": [
         "bench/bench_data_wait.py",
@@ -101,6 +112,25 @@ def test_benchmark_runs(name: str, tmp_path: Path) -> None:
     tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
     assert done.returncode == 0, f"{' '.join(RUNS[name])} failed:\n{tail}"
     assert "Traceback" not in done.stderr, tail
+
+
+def test_train_bench_recipe_flags_win_over_the_shapes_defaults() -> None:
+    # --draft-layers / --feature-layers measure what depth and features cost the loop (BENCHMARKS.md): they
+    # must reach both the trainer's config and the drafter the FLOP count is made for, over --small's 3.
+    import torch
+
+    from bench import bench_train
+    from bench.shapes import SMALL
+
+    cpu = torch.device("cpu")
+    common = dict(shape="small", device=cpu, budget=512, max_len=450, threads=1, compile=False)
+    cfg, drafter = bench_train.train_config("C", "O", SMALL, **common)
+    assert cfg.drafter.num_draft_layers == drafter.num_hidden_layers == 3
+    cfg, drafter = bench_train.train_config(
+        "C", "O", SMALL, num_draft_layers=5, target_layer_ids="1,3,5,7,9", **common
+    )
+    assert cfg.drafter.num_draft_layers == drafter.num_hidden_layers == 5
+    assert cfg.drafter.target_layer_ids == tuple(drafter.target_layer_ids) == (1, 3, 5, 7, 9)
 
 
 def test_batch_excess_sets_each_batch_beside_its_bare_forward() -> None:

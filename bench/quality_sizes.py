@@ -169,7 +169,7 @@ SIZES: dict[str, Size] = {
 # 6000 steps (~9.2 epochs): on one target instance, three seeds each, a 4500-step schedule ended at 1.49x
 # prompt lookup and a 6000-step one at 1.54x (every seed above 1.5x), while `--slot-weights reach` at 4500
 # steps walked 1.48x (BENCHMARKS.md); several calls of one H200 (six runs side by side: ~21 minutes, scaled
-# from six 4500-step ones' 950 s, before the depth below). The first codec's first seed evaluates every 1500
+# from six 4500-step ones' 950 s, with 3 drafter layers). The first codec's first seed evaluates every 1500
 # steps.
 SIZES["full"] = replace(
     SIZES["quick"],

@@ -8,9 +8,10 @@
 # `start` runs `bench/bench_quality.py --target T --work W/T FLAGS` for each target T under setsid (its log:
 # W/T.log, ending in `== exit CODE`); `start` again with other targets and flags adds to the same W. `poll`
 # prints each target's phase and each run's last metrics line until every target's run has ended or SECONDS
-# pass, then copies into DEST each target's quality.json, the tails of its log and its extractions' logs
-# (T.log.tail) and every evaluation its runs logged (T-evals.txt: one metrics line per evaluation, after the
-# run's name): three files per target, so a device call (8 files back) polls two targets and its own output.
+# pass, then copies into DEST each target's quality.json (T-quality.json, once its report is written) and one
+# text file (T.log.tail): the tails of its log and of its extractions' logs, then every evaluation its runs
+# logged (one metrics line per evaluation, after the run's name). Two files per target: a device call (8 files
+# back) polls all three targets and keeps two files of its own.
 set -u
 cmd=${1:?start or poll}
 work=${2:?work folder}
@@ -57,22 +58,22 @@ EOF
     mkdir -p "$dest"
     for log in "$work"/*.log; do
       t=$(basename "$log" .log)
-      # the target's log, then each extraction's (its throughput and stages: the hybrid's takes 2-3x the Qwen3
-      # target's), in one file: a device call brings back 8 files at most
+      # the target's log, each extraction's (its throughput and stages: the hybrid's takes 2-3x the Qwen3
+      # target's) and every evaluation every run logged (so a call cut before the report still brings its
+      # numbers back), in one file: a device call brings back 8 files at most
       {
         tail -n 60 "$log"
         for c in $(find "$work/$t" -name 'cache-*.log' 2>/dev/null | sort); do
           echo "== $(basename "$c")"
           tail -n 30 "$c"
         done
+        echo "== evaluations"
+        for m in $(find "$work/$t" -name metrics.jsonl 2>/dev/null | sort); do
+          grep '"tau_walk"' "$m" | sed "s|^|$(basename "$(dirname "$m")") |"
+        done
       } >"$dest/$t.log.tail"
       q=$(find "$work/$t" -name quality.json 2>/dev/null | head -n 1)
       if [ -n "$q" ]; then cp "$q" "$dest/$t-quality.json"; fi
-      # every evaluation every run logged, so a call cut before the report still brings its numbers back
-      evals=$(for m in $(find "$work/$t" -name metrics.jsonl 2>/dev/null | sort); do
-        grep '"tau_walk"' "$m" | sed "s|^|$(basename "$(dirname "$m")") |"
-      done)
-      if [ -n "$evals" ]; then echo "$evals" >"$dest/$t-evals.txt"; fi
     done
   fi
   ;;

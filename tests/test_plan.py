@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
+from common.synth import llm_like_layers
 from dflash.extract.plan import (
     FP8_RATIO,
     LOSSLESS_RATIO,
@@ -16,6 +17,7 @@ from dflash.extract.plan import (
     plan_stats,
     plan_units,
 )
+from dflash.shards import encode_sample, get_codec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -143,6 +145,17 @@ def test_estimates_use_named_ratios():
     assert est["raw"] == pytest.approx(1.8e9 * 40960, rel=0.01)  # DESIGN.md: 74 TB raw for Qwen3-8B
     with pytest.raises(ValueError, match="unknown codec"):
         bytes_per_token("gzip", 5, 4096)
+
+
+@pytest.mark.parametrize("codec", ["lossless", "fp8", "q6", "q4"])
+def test_estimate_holds_for_written_samples_at_the_smallest_qwen3_width(codec: str) -> None:
+    # The dry run's disk estimate comes from ratios measured at hidden 4096; Qwen3-0.6B's states are 1024 wide,
+    # where per-token costs (fp8/q6/q4's float32 token scale) weigh 4x more. A 1024-token sample of LLM-like
+    # states, as the writer stores it, must land within 5% of the estimate.
+    seq, hidden, layers = 1024, 1024, 4
+    states = llm_like_layers(seq, hidden, layers, seed=3)
+    sample = encode_sample(get_codec(codec), 0, np.arange(seq) % 1000, np.ones(seq, np.uint8), states)
+    assert bytes_per_token(codec, layers, hidden) == pytest.approx(sample.nbytes / seq, rel=0.05)
 
 
 def test_batch_plan_sequence_access_matches_iteration():

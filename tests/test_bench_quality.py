@@ -89,7 +89,7 @@ def test_first_seed_adds_seeds_to_an_earlier_experiment(tmp_path: Path) -> None:
     assert all(r.dir == tmp_path / r.name for r in runs)
 
 
-def test_a_work_folder_of_another_size_or_target_is_refused_before_any_phase(tmp_path: Path, capsys) -> None:
+def test_a_work_folder_of_another_size_or_target_is_refused_before_any_phase(tmp_path: Path) -> None:
     # Phases are reused when their outputs exist: a --work built at the ci size must not be trained and scored
     # as the cpu size's target (a run of 40 minutes on a 100k-parameter LM, tau_walk saturated at the block).
     work = tmp_path / "q"

@@ -137,8 +137,8 @@ SIZES: dict[str, Size] = {
         # between 6e-4 and 3e-3 moved tau less than seeds did on the GPU; steps moved it most (BENCHMARKS.md).
         drafter=DrafterRecipe(
             # `dflash-train`'s default depth, chosen by the worst target: the hybrid walked 1.33x prompt lookup
-            # with 5 layers and 1.23x with 3 at 3000 steps (two and three seeds), and a deeper drafter walked
-            # further on every target tried at the `cpu` size. Records before 2026-12-03's fifth session trained
+            # with 5 layers and 1.23x with 3 at 3000 steps (two and three seeds), 1.47x with 5 at the full size's
+            # 6000 (three seeds), and a deeper drafter walked further on every target tried at the `cpu` size. Records before 2026-12-03's fifth session trained
             # 3 (BENCHMARKS.md says which). Alone, 5 layers train ~1.5x slower than 3 at this size; side by
             # side with a 3-layer run (as runs share the GPU here) 3000 steps took 386 s against its 410 s.
             layers=5,
@@ -168,9 +168,9 @@ SIZES: dict[str, Size] = {
 }
 # 6000 steps (~9.2 epochs): on one target instance, three seeds each, a 4500-step schedule ended at 1.49x
 # prompt lookup and a 6000-step one at 1.54x (every seed above 1.5x), while `--slot-weights reach` at 4500
-# steps walked 1.48x (BENCHMARKS.md); several calls of one H200 (six runs side by side: ~21 minutes, scaled
-# from six 4500-step ones' 950 s, with 3 drafter layers). The first codec's first seed evaluates every 1500
-# steps.
+# steps walked 1.48x (BENCHMARKS.md); several calls of one H200 (three 5-layer seeds side by side trained in
+# 981-987 s on the hybrid target; six 3-layer 4500-step runs took 950 s). The first codec's first seed
+# evaluates every 1500 steps.
 SIZES["full"] = replace(
     SIZES["quick"],
     seeds=3,

@@ -11,7 +11,9 @@ layers, before the 5 it trains now; the recipe's measure is the full size's 6000
     python bench/bench_quality.py --size cpu --device cpu    # the development box: a real but small signal
 
 `--target` picks the LM the drafters serve, each with its own prompt-lookup baseline (every size; --work keeps
-code's phases, W/prose and W/hybrid the others', and --pack/--unpack name their parts after the target):
+code's phases, W/prose and W/hybrid the others', and --pack/--unpack name their parts after the target; a
+GPU's extractions keep their Triton cache in the target's folder and --pack carries it too: the hybrid's
+extraction took 222 s cold and 74 s with it):
     --target code      a Qwen3 LM on Python sources (the default; what the numbers above are)
     --target prose     the same shape on ChatML rows of docstrings and shipped docs (`quality_prose`): prompts
                        are a user turn and the start of its answer
@@ -67,7 +69,7 @@ from bench.quality_data import (
     train_target,
     write_rows,
 )
-from bench.quality_pack import pack, target_work, unpack
+from bench.quality_pack import TRITON_CACHE, pack, target_work, unpack, work_mismatch
 from bench.quality_prose import ASSISTANT, CHAT_TOKENS, cut_chat_prompts, read_prose_corpus
 from bench.quality_report import Scorer, print_table, summarize
 from bench.quality_sizes import SIZES, Run, Size, parse_variants, plan_runs
@@ -79,11 +81,14 @@ def _python(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def _call(cmd: list[str], log: Path) -> float:
+def _call(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
     with log.open("w") as f:
         done = subprocess.run(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     if done.returncode:
         tail = log.read_text(errors="replace").strip().splitlines()[-5:]
@@ -136,32 +141,6 @@ def phase_target(work: Path, size: Size, device: str, seed: int) -> tuple[dict[s
     return info, tokenizer, train_files, held_files
 
 
-# Settings that do not change the trained target (how fast it trained), left out of the comparison below.
-_SPEED_ONLY = frozenset({"compile"})
-
-
-def work_mismatch(work: Path, size: Size) -> str | None:
-    """What in `work` was built for another size or target than `size` (phases are reused when their outputs
-    exist, so a --work of another size would otherwise train and score drafters on the wrong target)."""
-    done = work / "target" / "bench_target.json"
-    if done.is_file():
-        built = json.loads(done.read_text()).get("spec", {})
-        built.setdefault("kind", "code")  # written before there were other targets
-        wanted = asdict(size.target)
-        differ = [k for k in wanted if k in built and k not in _SPEED_ONLY and built[k] != wanted[k]]
-        if differ:
-            shown = ", ".join(f"{k} {built[k]} (wants {wanted[k]})" for k in differ)
-            return f"{done.parent} is another target: {shown}"
-    rows = work / "data" / "rows.json"
-    if rows.is_file():
-        meta = json.loads(rows.read_text())
-        spec = size.data
-        if (meta["train_rows"], len(meta["eval_rows"])) != (spec.train_rows, spec.eval_rows):
-            return (f"{rows.parent} holds {meta['train_rows']} training and {len(meta['eval_rows'])} evaluation "
-                    f"rows (wants {spec.train_rows} and {spec.eval_rows})")  # fmt: skip
-    return None
-
-
 def _load_files(path: Path, lengths: list[int]) -> list[np.ndarray]:
     flat = np.load(path, allow_pickle=False)
     return np.split(flat, np.cumsum(lengths)[:-1])
@@ -209,7 +188,8 @@ def phase_cache(work: Path, codec: str, device: str) -> Path:
                   "--out", str(cache), "--codec", codec, "--layers", "all", "--device", device, "--no-compile")  # fmt: skip
     if device == "cpu":
         cmd += ["--dtype", "float32"]
-    _call(cmd, work / f"cache-{codec}.log")
+    # in the work folder, so `--pack` carries it to the next machine (quality_pack.TRITON_CACHE says why)
+    _call(cmd, work / f"cache-{codec}.log", env={"TRITON_CACHE_DIR": str(work / TRITON_CACHE)})
     return cache
 
 
@@ -304,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-target", action="store_true",
                    help="torch.compile the target's training (H200, hybrid: +17%% steps/s once compiled)")  # fmt: skip
     p.add_argument(
-        "--pack", help="write target/ and data/ as tar parts here (to carry them to another machine)"
+        "--pack",
+        help="write target/ and data/, then the extraction's Triton cache, as tar parts here (to carry "
+        "them to another machine)",
     )
     p.add_argument("--unpack", help="start from tar parts written by --pack")
     p.add_argument("--stop-after", choices=("data", "extract"), help="end after this phase")
@@ -323,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if args.unpack and unpack(Path(args.unpack), work, args.target):
         print(f"unpacked target/ and data/ from {args.unpack}", flush=True)
+    if args.unpack and unpack(Path(args.unpack), work, args.target, what="triton"):
+        print(f"unpacked the extraction's Triton cache from {args.unpack}", flush=True)
     mismatch = work_mismatch(work, size)
     if mismatch:
         raise SystemExit(f"error: --size {size_name} --target {args.target}: {mismatch}; use another --work")
@@ -355,8 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         c: extractor.submit(timed, f"extract {c}", partial(phase_cache, work, c, args.device))
         for c in extracted
     }
+
+    def pack_triton() -> None:
+        if args.pack:  # after the extractions: their Triton cache is complete
+            print(f"packed: {[str(x) for x in pack(work, Path(args.pack), kind=args.target, what='triton')]}")
+
     if args.stop_after == "extract":
         extractor.shutdown(wait=True)
+        pack_triton()
         return 0 if all(f.exception() is None for f in caches.values()) else 1
     runs = plan_runs(work / args.runs_dir, size, codecs, parse_variants(args.variants), args.first_seed)
     write_heldout_files(work / args.runs_dir, meta, size.fractions)
@@ -379,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(args.parallel or size.parallel_runs) as pool:
         runs = timed("train", lambda: list(pool.map(train_one, runs)))
     extractor.shutdown(wait=True)
+    pack_triton()
     good = [r for r in runs if "error" not in r.result]
     scorer.close()
     seconds["evaluate (during train)"] = round(scorer.seconds, 1)

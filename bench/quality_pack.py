@@ -1,13 +1,30 @@
-"""The quality benchmark's work folders: each target's phases in its own folder, and `pack` / `unpack` of its
-target/ and data/ as gzipped tar parts, to carry a trained target and its rows between machines."""
+"""The quality benchmark's work folders: each target's phases in its own folder, the check that a folder was
+built for the size asked, and `pack` / `unpack` of what a later machine needs as gzipped tar parts: the trained
+target and its rows ("work"), and the extraction's Triton cache ("triton")."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.quality_sizes import Size
+
+# The extraction's Triton cache (`TRITON_CACHE_DIR` of every `dflash-extract` the benchmark runs). Some of FLA's
+# kernels autotune again for each batch shape, so the hybrid target's extraction took 222 s cold and 74 s with
+# this cache from an earlier machine of the same kind (BENCHMARKS.md); the Qwen3 targets leave it empty.
+TRITON_CACHE = "triton-extract"
+
+# What each pack holds: folders of a target's work folder; the first one's presence means "already there".
+PACKED = {"work": ("target", "data"), "triton": (TRITON_CACHE,)}
 
 
-def pack_name(kind: str) -> str:
+def pack_name(kind: str, what: str = "work") -> str:
     """The parts' name: each target's own, so one folder carries several."""
+    if what == "triton":
+        return f"quality-triton-{kind}.tgz"
     return "quality-work.tgz" if kind == "code" else f"quality-work-{kind}.tgz"
 
 
@@ -16,15 +33,47 @@ def target_work(work: Path, kind: str) -> Path:
     return work if kind == "code" else work / kind
 
 
-def pack(work: Path, dest: Path, part_bytes: int = 16 * 2**20 - 2**16, kind: str = "code") -> list[Path]:
-    """target/ and data/ as gzipped tar parts small enough to travel back from a GPU machine (16 MiB a file;
-    gzip takes the rows' token ids to about half, so a target and its rows need two parts, not three)."""
+# Settings that do not change the trained target (how fast it trained), left out of the comparison below.
+_SPEED_ONLY = frozenset({"compile"})
+
+
+def work_mismatch(work: Path, size: Size) -> str | None:
+    """What in `work` was built for another size or target than `size` (phases are reused when their outputs
+    exist, so a --work of another size would otherwise train and score drafters on the wrong target)."""
+    done = work / "target" / "bench_target.json"
+    if done.is_file():
+        built = json.loads(done.read_text()).get("spec", {})
+        built.setdefault("kind", "code")  # written before there were other targets
+        wanted = asdict(size.target)
+        differ = [k for k in wanted if k in built and k not in _SPEED_ONLY and built[k] != wanted[k]]
+        if differ:
+            shown = ", ".join(f"{k} {built[k]} (wants {wanted[k]})" for k in differ)
+            return f"{done.parent} is another target: {shown}"
+    rows = work / "data" / "rows.json"
+    if rows.is_file():
+        meta = json.loads(rows.read_text())
+        spec = size.data
+        if (meta["train_rows"], len(meta["eval_rows"])) != (spec.train_rows, spec.eval_rows):
+            return (f"{rows.parent} holds {meta['train_rows']} training and {len(meta['eval_rows'])} evaluation "
+                    f"rows (wants {spec.train_rows} and {spec.eval_rows})")  # fmt: skip
+    return None
+
+
+def pack(
+    work: Path, dest: Path, part_bytes: int = 16 * 2**20 - 2**16, kind: str = "code", what: str = "work"
+) -> list[Path]:
+    """`what`'s folders as gzipped tar parts small enough to travel back from a GPU machine (16 MiB a file;
+    gzip takes the rows' token ids to about half, so a target and its rows need two parts, not three). No
+    parts (and nothing written) when the first folder is missing or empty, as a CPU run's Triton cache is."""
     import tarfile
 
+    names = PACKED[what]
+    if not any((work / names[0]).glob("*")):
+        return []
     dest.mkdir(parents=True, exist_ok=True)
-    tar_path = dest / pack_name(kind)
+    tar_path = dest / pack_name(kind, what)
     with tarfile.open(tar_path, "w:gz", compresslevel=6) as tar:
-        for name in ("target", "data"):
+        for name in names:
             tar.add(work / name, arcname=name)
     blob = tar_path.read_bytes()
     tar_path.unlink()
@@ -36,13 +85,13 @@ def pack(work: Path, dest: Path, part_bytes: int = 16 * 2**20 - 2**16, kind: str
     return parts
 
 
-def unpack(src: Path, work: Path, kind: str = "code") -> bool:
-    """The inverse of `pack` (no-op when target/ is already there or no parts exist)."""
+def unpack(src: Path, work: Path, kind: str = "code", what: str = "work") -> bool:
+    """The inverse of `pack` (no-op when the pack's first folder is already there or no parts exist)."""
     import io
     import tarfile
 
-    parts = sorted(src.glob(f"{pack_name(kind)}.*"))
-    if (work / "target").exists() or not parts:
+    parts = sorted(src.glob(f"{pack_name(kind, what)}.*"))
+    if (work / PACKED[what][0]).exists() or not parts:
         return False
     with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
         tar.extractall(work, filter="data")

@@ -130,6 +130,54 @@ def _split(full: tuple[float, float, float, float], none: tuple[float, float, fl
     return keys
 
 
+def test_the_extractions_triton_cache_travels_in_the_pack_to_the_next_machine(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """FLA autotunes per batch shape: a hybrid extraction ran 222 s cold and 74 s on a carried cache."""
+    from bench.quality_pack import TRITON_CACHE
+
+    seen: list[dict] = []
+
+    def fake_call(cmd: list[str], log: Path, env: dict | None = None) -> float:
+        seen.append(env or {})  # as dflash-extract on a GPU: its Triton cache lands where it was pointed
+        kernel = Path(env["TRITON_CACHE_DIR"]) / "k1" / "autotune.json"
+        kernel.parent.mkdir(parents=True, exist_ok=True)
+        kernel.write_text('{"config": "BT=64"}')
+        return 0.0
+
+    monkeypatch.setattr(bench_quality, "phase_target", lambda *a: ({}, None, [], []))
+    monkeypatch.setattr(bench_quality, "phase_data", lambda *a: {})
+    monkeypatch.setattr(bench_quality, "_call", fake_call)
+    first, packs = tmp_path / "first", tmp_path / "packs"
+    argv = [
+        "--size",
+        "ci",
+        "--device",
+        "cpu",
+        "--target",
+        "hybrid",
+        "--codecs",
+        "fp8",
+        "--stop-after",
+        "extract",
+    ]
+    assert bench_quality.main([*argv, "--work", str(first), "--pack", str(packs)]) == 0
+    assert seen == [{"TRITON_CACHE_DIR": str(first / "hybrid" / TRITON_CACHE)}]
+    # No target/ was built here (phases faked), so only the Triton cache was packed.
+    assert [p.name for p in packs.iterdir()] == ["quality-triton-hybrid.tgz.00"]
+
+    def cache_was_unpacked(work: Path, codec: str, device: str) -> Path:
+        assert (work / TRITON_CACHE / "k1" / "autotune.json").read_text() == '{"config": "BT=64"}'
+        return work / f"cache-{codec}"
+
+    monkeypatch.setattr(bench_quality, "phase_cache", cache_was_unpacked)
+    second = tmp_path / "second"
+    assert bench_quality.main([*argv, "--work", str(second), "--unpack", str(packs)]) == 0
+    assert (second / "hybrid" / TRITON_CACHE).is_dir()
+    # A target whose extraction left no Triton cache (a CPU's, a Qwen3's) packs nothing for it.
+    assert bench_quality.pack(tmp_path / "none", packs, kind="code", what="triton") == []
+
+
 def test_split_table_prints_each_runs_classes_and_skips_old_reports(capsys) -> None:
     report = {
         "size": {"drafter": {"block_size": 8}},

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 # The extraction's Triton cache (`TRITON_CACHE_DIR` of every `dflash-extract` the benchmark runs). Some of FLA's
 # kernels autotune again for each batch shape, so the hybrid target's extraction took 222 s cold and 74 s with
-# this cache from an earlier machine of the same kind (BENCHMARKS.md); the Qwen3 targets leave it empty.
+# this cache from an earlier machine of the same kind (BENCHMARKS.md). A CPU run leaves it empty (no Triton
+# there); whether the Qwen3 targets' uncompiled extraction writes anything to it is not checked.
 TRITON_CACHE = "triton-extract"
 
 # What each pack holds: folders of a target's work folder; the first one's presence means "already there".

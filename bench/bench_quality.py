@@ -392,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     print(f"target {args.target}: {info['params'] / 1e6:.1f}M params, LM loss {info['first_loss']:.2f} -> {info['final_loss']:.2f} "
           f"({info['train_tokens'] / 1e6:.1f}M tokens, {info['seconds']:.0f} s); data: {meta['rows']} rows, "
-          f"{meta['tokens'] / 1e6:.2f}M tokens; corpus sha256 {str(info['corpus'].get('sha256'))[:16]}")  # fmt: skip
+          f"{meta['tokens'] / 1e6:.2f}M tokens; corpus sha256 {str(info['corpus'].get('sha256'))[:16]}, "
+          f"weights sha256 {str(info.get('weights_sha256'))[:16]}")  # fmt: skip
     if good:
         print_table(report)
     return 0 if len(good) == len(runs) else 1

@@ -7,11 +7,12 @@
 #
 # `start` runs `bench/bench_quality.py --target T --work W/T FLAGS` for each target T under setsid (its log:
 # W/T.log, ending in `== exit CODE`); `start` again with other targets and flags adds to the same W. `poll`
-# prints each target's phase and each run's last metrics line until every target's run has ended or SECONDS
-# pass, then copies into DEST each target's quality.json (T-quality.json, once its report is written) and one
-# text file (T.log.tail): the tails of its log and of its extractions' logs, then every evaluation its runs
-# logged (one metrics line per evaluation, after the run's name). Two files per target: a device call (8 files
-# back) polls all three targets and keeps two files of its own.
+# prints each target's phase and each run's last metrics line every 30 s until every target's run has ended or
+# SECONDS pass, and each time copies into DEST each target's quality.json (T-quality.json, once its report is
+# written) and one text file (T.log.tail): the tails of its log and of its extractions' logs, then every
+# evaluation its runs logged (one metrics line per evaluation, after the run's name). Two files per target: a
+# device call (8 files back) polls all three targets and keeps two files of its own. Give `poll` less than the
+# call's limit minus its start (a call's output held in a pipe is lost when the limit kills it; DEST is not).
 set -u
 cmd=${1:?start or poll}
 work=${2:?work folder}
@@ -31,30 +32,10 @@ poll)
   seconds=${3:?seconds}
   dest=${4:-}
   end=$((SECONDS + seconds))
-  while :; do
-    pending=0
-    for log in "$work"/*.log; do
-      t=$(basename "$log" .log)
-      if ! grep -q "^== exit" "$log" 2>/dev/null; then pending=$((pending + 1)); fi
-      echo "== $t: $(grep -E '^\[' "$log" | tail -n 1)"
-      for m in $(find "$work/$t" -name metrics.jsonl 2>/dev/null | sort); do
-        line=$(grep '"tau_walk"' "$m" | tail -n 1)
-        last=$(tail -n 1 "$m")
-        python3 - "$m" "$line" "$last" <<'EOF'
-import json, sys
-path, ev, last = sys.argv[1], sys.argv[2], sys.argv[3]
-run = path.split("/")[-2]
-step = json.loads(last).get("step") if last else None
-e = json.loads(ev) if ev else {}
-keys = ("step", "tau", "tau_walk", "tau_walk_lookup")
-print(f"   {run}: step {step}; last eval " + ", ".join(f"{k} {e[k]}" for k in keys if k in e))
-EOF
-      done
-    done
-    if [ "$pending" -eq 0 ] || [ "$SECONDS" -ge "$end" ]; then break; fi
-    sleep 30
-  done
-  if [ -n "$dest" ]; then
+  # Copies what the runs have written so far into DEST, at every round: a device call cut at its time limit
+  # (or a machine taken back) still brings the last round's files.
+  collect() {
+    [ -n "$dest" ] || return 0
     mkdir -p "$dest"
     for log in "$work"/*.log; do
       t=$(basename "$log" .log)
@@ -75,7 +56,31 @@ EOF
       q=$(find "$work/$t" -name quality.json 2>/dev/null | head -n 1)
       if [ -n "$q" ]; then cp "$q" "$dest/$t-quality.json"; fi
     done
-  fi
+  }
+  while :; do
+    pending=0
+    for log in "$work"/*.log; do
+      t=$(basename "$log" .log)
+      if ! grep -q "^== exit" "$log" 2>/dev/null; then pending=$((pending + 1)); fi
+      echo "== $t: $(grep -E '^\[' "$log" | tail -n 1)"
+      for m in $(find "$work/$t" -name metrics.jsonl 2>/dev/null | sort); do
+        line=$(grep '"tau_walk"' "$m" | tail -n 1)
+        last=$(tail -n 1 "$m")
+        python3 - "$m" "$line" "$last" <<'EOF'
+import json, sys
+path, ev, last = sys.argv[1], sys.argv[2], sys.argv[3]
+run = path.split("/")[-2]
+step = json.loads(last).get("step") if last else None
+e = json.loads(ev) if ev else {}
+keys = ("step", "tau", "tau_walk", "tau_walk_lookup")
+print(f"   {run}: step {step}; last eval " + ", ".join(f"{k} {e[k]}" for k in keys if k in e))
+EOF
+      done
+    done
+    collect
+    if [ "$pending" -eq 0 ] || [ "$SECONDS" -ge "$end" ]; then break; fi
+    sleep 30
+  done
   ;;
 *)
   echo "usage: $0 start|poll ..." >&2

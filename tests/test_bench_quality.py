@@ -319,6 +319,43 @@ def test_hybrid_target_trains_through_the_torch_delta_rule_and_leaves_it_as_it_w
         assert what is None
 
 
+def test_target_trains_on_deterministic_attention_and_records_its_weights_digest(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Two builds of one target on one H200 differed (cuDNN's attention backward, let through by warn-only
+    determinism): the target trains with the math backend alone, and bench_target.json carries the saved
+    weights' digest, the same for two builds from one seed."""
+    import hashlib
+
+    import numpy as np
+    import torch
+
+    spec = replace(bench_quality.SIZES["ci"].target, steps=3)
+    backends = []
+    make = quality_data.target_model
+
+    def recording(config):
+        model = make(config)
+        model.register_forward_pre_hook(lambda *_: backends.append((
+            torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
+        )))  # fmt: skip
+        return model
+
+    monkeypatch.setattr(quality_data, "target_model", recording)
+    files = [np.random.default_rng(0).integers(1, spec.vocab, 4 * spec.seq_len)]
+    digests = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        info = quality_data.train_target(spec, _Vocab(spec.vocab), files, tmp_path / name, "cpu", seed=0)
+        weights = (tmp_path / name / "model.safetensors").read_bytes()
+        assert info["weights_sha256"] == hashlib.sha256(weights).hexdigest()
+        digests.append(info["weights_sha256"])
+    assert digests[0] == digests[1]
+    assert backends and set(backends) == {(True, False, False, False)}
+    assert torch.backends.cuda.flash_sdp_enabled()  # and the backends are as they were afterwards
+
+
 class _Vocab:
     def __init__(self, n: int) -> None:
         self.n = n

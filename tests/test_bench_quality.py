@@ -301,13 +301,14 @@ def test_hybrid_target_trains_through_the_torch_delta_rule_and_leaves_it_as_it_w
     modeling = sys.modules[type(model).__module__]
     before = {id(m): getattr(m, "chunk_gated_delta_rule", None) for m in model.modules()}
     dispatch = modeling.torch_chunk_gated_delta_rule
-    torch_code = inspect.unwrap(dispatch)  # the decorated dispatcher's innermost function: the torch code
+    torch_code = quality_data.torch_code(dispatch)  # under the dispatch wrappers: the torch code
+    assert torch_code is not dispatch and "def torch_chunk_gated_delta_rule" in inspect.getsource(torch_code)
     with quality_data.torch_delta_rule_for_training(model) as what:
         assert what and "torch" in what
         ids = torch.randint(0, spec.vocab, (2, 16))
         model(input_ids=ids, labels=ids).loss.backward()
         layers = [m for m in model.modules() if callable(getattr(m, "chunk_gated_delta_rule", None))]
-        assert all(inspect.unwrap(m.chunk_gated_delta_rule) is torch_code for m in layers)
+        assert all(quality_data.torch_code(m.chunk_gated_delta_rule) is torch_code for m in layers)
         assert layers or modeling.torch_chunk_gated_delta_rule is torch_code
     assert modeling.torch_chunk_gated_delta_rule is dispatch
     assert {id(m): getattr(m, "chunk_gated_delta_rule", None) for m in model.modules()} == before
@@ -319,32 +320,35 @@ def test_hybrid_target_trains_through_the_torch_delta_rule_and_leaves_it_as_it_w
         assert what is None
 
 
-def test_target_trains_on_deterministic_attention_and_records_its_weights_digest(
+def test_target_trains_under_strict_determinism_and_records_its_weights_digest(
     tmp_path: Path, monkeypatch
 ) -> None:
     """Two builds of one target on one H200 differed (cuDNN's attention backward, let through by warn-only
-    determinism): the target trains with the math backend alone, and bench_target.json carries the saved
-    weights' digest, the same for two builds from one seed."""
+    determinism): the target trains with determinism strict, the mode as it was afterwards, and
+    bench_target.json carries the saved weights' digest, the same for two builds from one seed."""
     import hashlib
 
     import numpy as np
     import torch
 
     spec = replace(bench_quality.SIZES["ci"].target, steps=3)
-    backends = []
+    modes = []
     make = quality_data.target_model
 
     def recording(config):
         model = make(config)
-        model.register_forward_pre_hook(lambda *_: backends.append((
-            torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
-            torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled(),
+        model.register_forward_pre_hook(lambda *_: modes.append((
+            torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
         )))  # fmt: skip
         return model
 
     monkeypatch.setattr(quality_data, "target_model", recording)
     files = [np.random.default_rng(0).integers(1, spec.vocab, 4 * spec.seq_len)]
     digests = []
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         info = quality_data.train_target(spec, _Vocab(spec.vocab), files, tmp_path / name, "cpu", seed=0)
@@ -352,8 +356,11 @@ def test_target_trains_on_deterministic_attention_and_records_its_weights_digest
         assert info["weights_sha256"] == hashlib.sha256(weights).hexdigest()
         digests.append(info["weights_sha256"])
     assert digests[0] == digests[1]
-    assert backends and set(backends) == {(True, False, False, False)}
-    assert torch.backends.cuda.flash_sdp_enabled()  # and the backends are as they were afterwards
+    assert modes and set(modes) == {(True, False)}
+    assert (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    ) == before
 
 
 class _Vocab:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.quality_data import train_target
+from bench.quality_data import TargetSpec, train_target
 from bench.quality_sizes import SIZES
 
 
@@ -39,7 +39,9 @@ class _Vocab:
         return 0
 
 
-def build_digests(spec, device: str, builds: int, strict: bool, root: Path) -> list[tuple[str, float]]:
+def build_digests(
+    spec: TargetSpec, device: str, builds: int, strict: bool, root: Path
+) -> list[tuple[str, float]]:
     files = [np.random.default_rng(0).integers(1, spec.vocab, 64 * spec.seq_len)]
     out = []
     for i in range(builds):

@@ -22,21 +22,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.quality_data import TargetSpec, train_target
+from bench.quality_data import SizedVocab, TargetSpec, train_target
 from bench.quality_sizes import SIZES
-
-
-class _Vocab:
-    """What `target_config` reads of a tokenizer: its length and the pad token's id."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def convert_tokens_to_ids(self, _token: str) -> int:
-        return 0
 
 
 def build_digests(
@@ -48,7 +35,7 @@ def build_digests(
         folder = root / f"{'strict' if strict else 'warn-only'}-{i}"
         folder.mkdir()
         start = time.perf_counter()
-        info = train_target(spec, _Vocab(spec.vocab), files, folder, device, seed=0, strict=strict)
+        info = train_target(spec, SizedVocab(spec.vocab), files, folder, device, seed=0, strict=strict)
         out.append((info["weights_sha256"], time.perf_counter() - start))
     return out
 

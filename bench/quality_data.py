@@ -156,6 +156,20 @@ def tokenize_files(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
 TARGET_KINDS = ("code", "prose", "hybrid")
 
 
+class SizedVocab:
+    """What `target_config` reads of a tokenizer, and nothing else: its length and the pad token's id (0). For
+    building a target's shape without a trained tokenizer (tests, `bench/bench_target_determinism.py`)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def convert_tokens_to_ids(self, _token: str) -> int:
+        return 0
+
+
 def target_config(spec: TargetSpec, tokenizer: Any) -> Any:
     from dflash.tools.tiny import padded_vocab_size
 
@@ -343,12 +357,13 @@ def torch_delta_rule_for_training(model: Any) -> Iterator[str | None]:
         torch_fn = getattr(modeling, "torch_chunk_gated_delta_rule", None)
         if torch_fn is None:
             continue
+        code = torch_code(torch_fn)
         if callable(layer_fn):
             restore.append((module, "chunk_gated_delta_rule", layer_fn))
-            module.chunk_gated_delta_rule = torch_code(torch_fn)
-        if torch_code(torch_fn) is not torch_fn:  # not yet patched: the torch code is its own
+            module.chunk_gated_delta_rule = code
+        if code is not torch_fn:  # not yet patched: the torch code is its own
             restore.append((modeling, "torch_chunk_gated_delta_rule", torch_fn))
-            modeling.torch_chunk_gated_delta_rule = torch_code(torch_fn)
+            modeling.torch_chunk_gated_delta_rule = code
     try:
         yield f"transformers' torch chunked delta rule ({len(restore)} patched)" if restore else None
     finally:

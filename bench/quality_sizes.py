@@ -139,8 +139,9 @@ SIZES: dict[str, Size] = {
             # `dflash-train`'s default depth, chosen by the worst target: the hybrid walked 1.33x prompt lookup
             # with 5 layers and 1.23x with 3 at 3000 steps (two and three seeds), 1.47x with 5 at the full size's
             # 6000 (three seeds), and a deeper drafter walked further on every target tried at the `cpu` size.
-            # Records before 2026-12-03's fifth session trained 3 (BENCHMARKS.md says which). Alone, 5 layers train ~1.5x slower than 3 at this size; side by
-            # side with a 3-layer run (as runs share the GPU here) 3000 steps took 386 s against its 410 s.
+            # Records before 2026-12-03's fifth session trained 3 (BENCHMARKS.md says which). Alone, 5 layers
+            # train ~1.5x slower than 3 at this size; side by side with a 3-layer run (as runs share the GPU
+            # here) 3000 steps took 386 s against its 410 s.
             layers=5,
             block_size=16,
             num_anchors=512,

@@ -281,9 +281,11 @@ def test_hybrid_target_is_a_gated_deltanet_model_through_every_phase(tmp_path: P
     manifest = json.loads((tmp_path / "hybrid" / "cache-lossless" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["target"]["model_type"] == "qwen3_5_text"
     # About the code target's size, so `--size quick` fits the same time on a GPU.
-    code = quality_data.target_config(bench_quality.SIZES["quick"].target, _Vocab(4096))
+    code = quality_data.target_config(bench_quality.SIZES["quick"].target, quality_data.SizedVocab(4096))
     hybrid_spec = replace(bench_quality.SIZES["quick"].target, kind="hybrid")
-    sizes = [_params(c) for c in (code, quality_data.target_config(hybrid_spec, _Vocab(4096)))]
+    sizes = [
+        _params(c) for c in (code, quality_data.target_config(hybrid_spec, quality_data.SizedVocab(4096)))
+    ]
     assert abs(sizes[1] / sizes[0] - 1) < 0.02
 
 
@@ -297,7 +299,7 @@ def test_hybrid_target_trains_through_the_torch_delta_rule_and_leaves_it_as_it_w
     import torch
 
     spec = replace(bench_quality.SIZES["ci"].target, kind="hybrid")
-    model = quality_data.target_model(quality_data.target_config(spec, _Vocab(spec.vocab)))
+    model = quality_data.target_model(quality_data.target_config(spec, quality_data.SizedVocab(spec.vocab)))
     modeling = sys.modules[type(model).__module__]
     before = {id(m): getattr(m, "chunk_gated_delta_rule", None) for m in model.modules()}
     dispatch = modeling.torch_chunk_gated_delta_rule
@@ -314,7 +316,7 @@ def test_hybrid_target_trains_through_the_torch_delta_rule_and_leaves_it_as_it_w
     assert {id(m): getattr(m, "chunk_gated_delta_rule", None) for m in model.modules()} == before
     # a model with no delta-rule layer is left alone
     plain = quality_data.target_model(
-        quality_data.target_config(bench_quality.SIZES["ci"].target, _Vocab(384))
+        quality_data.target_config(bench_quality.SIZES["ci"].target, quality_data.SizedVocab(384))
     )
     with quality_data.torch_delta_rule_for_training(plain) as what:
         assert what is None
@@ -351,7 +353,9 @@ def test_target_trains_under_strict_determinism_and_records_its_weights_digest(
     )
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        info = quality_data.train_target(spec, _Vocab(spec.vocab), files, tmp_path / name, "cpu", seed=0)
+        info = quality_data.train_target(
+            spec, quality_data.SizedVocab(spec.vocab), files, tmp_path / name, "cpu", seed=0
+        )
         weights = (tmp_path / name / "model.safetensors").read_bytes()
         assert info["weights_sha256"] == hashlib.sha256(weights).hexdigest()
         digests.append(info["weights_sha256"])
@@ -361,17 +365,6 @@ def test_target_trains_under_strict_determinism_and_records_its_weights_digest(
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
     ) == before
-
-
-class _Vocab:
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def convert_tokens_to_ids(self, _token: str) -> int:
-        return 0
 
 
 def _params(config) -> int:

@@ -13,6 +13,7 @@
 # evaluation its runs logged (one metrics line per evaluation, after the run's name). Two files per target: a
 # device call (8 files back) polls all three targets and keeps two files of its own. Give `poll` less than the
 # call's limit minus its start (a call's output held in a pipe is lost when the limit kills it; DEST is not).
+# `poll` on a machine with no logs under W (not the one that ran `start`) ends at once with status 3.
 set -u
 cmd=${1:?start or poll}
 work=${2:?work folder}
@@ -32,6 +33,12 @@ poll)
   seconds=${3:?seconds}
   dest=${4:-}
   end=$((SECONDS + seconds))
+  # A call that lands on a fresh machine (the one that started the runs went back while idle) finds no logs:
+  # say so and end at once instead of polling nothing until SECONDS pass, on device time.
+  if ! ls "$work"/*.log >/dev/null 2>&1; then
+    echo "poll: no run logs under $work: this machine did not start the runs (a fresh machine?)" >&2
+    exit 3
+  fi
   # Copies what the runs have written so far into DEST, at every round: a device call cut at its time limit
   # (or a machine taken back) still brings the last round's files.
   collect() {

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -463,3 +464,34 @@ def test_chat_prompts_are_a_user_turn_and_the_start_of_its_answer() -> None:
     lengths = {len(p) for p in prompts}
     assert min(lengths) == 6 and max(lengths) == 12 and len(lengths) > 3  # >= 1 answer token, <= prompt_max
     assert all((p == rows[0][: len(p)]).all() for p in prompts)  # the row without a header is never cut
+
+
+def _poll(work: Path, dest: Path) -> subprocess.CompletedProcess:
+    script = Path(__file__).parents[1] / "bench" / "quality_targets.sh"
+    argv = ["bash", str(script), "poll", str(work), "300", str(dest)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=20)
+
+
+def test_poll_ends_at_once_on_a_machine_that_did_not_start_the_runs(tmp_path: Path) -> None:
+    # A device call that lands on a fresh machine once polled an empty folder for its whole 560 s.
+    done = _poll(tmp_path / "qt", tmp_path / "dest")
+    assert done.returncode == 3
+    assert "no run logs under" in done.stderr and "qt" in done.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+def test_poll_copies_an_ended_runs_report_and_evaluations_then_stops(tmp_path: Path) -> None:
+    work = tmp_path / "qt"
+    run = work / "code" / "runs" / "base-fp8-f1-s0"
+    run.mkdir(parents=True)
+    evaluation = {"step": 1500, "tau": 5.0, "tau_walk": 3.9, "tau_walk_lookup": 2.8}
+    lines = [json.dumps(evaluation), json.dumps({"step": 1510, "loss": 2.0})]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (work / "code" / "runs" / "quality.json").write_text('{"runs": []}')
+    (work / "code.log").write_text("[train] 900 s\n== exit 0\n")
+    done = _poll(work, tmp_path / "dest")
+    assert done.returncode == 0, done.stderr
+    assert "base-fp8-f1-s0: step 1510; last eval step 1500, tau 5.0, tau_walk 3.9" in done.stdout
+    tail = (tmp_path / "dest" / "code.log.tail").read_text()
+    assert "== exit 0" in tail and '"tau_walk": 3.9' in tail
+    assert json.loads((tmp_path / "dest" / "code-quality.json").read_text()) == {"runs": []}

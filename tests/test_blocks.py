@@ -102,6 +102,28 @@ def test_packed_batch_with_copy_weight_draws_its_anchors_by_lookup() -> None:
     assert shares[0] < 0.4 < 0.8 < shares[1]
 
 
+def test_copy_slot_weight_raises_the_slots_lookup_copies_and_no_others() -> None:
+    phrase = list(range(10, 30))
+    ids = torch.tensor([1, *phrase, *range(40, 60), *phrase, 2, 3, 4])
+    mask = torch.ones(ids.numel(), dtype=torch.bool)
+    mask[:5] = False  # a prompt: its slots stay at weight 0
+    seq = SequenceInput(input_ids=ids, loss_mask=mask, features=torch.zeros(ids.numel(), 4))
+    copied = lookup_accepted(ids.numpy(), mask.numpy(), 7)
+    anchors = torch.arange(3, ids.numel())
+    kwargs = dict(block_size=8, mask_token_id=MASK, num_anchors=1, gamma=1.0, anchors=[anchors])
+    plain = make_packed_batch([seq], **kwargs).weights
+    raised = make_packed_batch([seq], **kwargs, copy_slot_weight=0.5).weights
+    for i, a in enumerate(anchors.tolist()):
+        for k in range(8):
+            copy = 1 <= k <= max(0, int(copied[a]))
+            want = max(float(plain[i, k]), 0.5) if copy and plain[i, k] > 0 else float(plain[i, k])
+            assert float(raised[i, k]) == pytest.approx(want), (a, k)
+    # the second phrase's anchors copy whole blocks: their far slots, e^-6 under gamma 1, now weigh 0.5
+    whole = [i for i, a in enumerate(anchors.tolist()) if copied[a] == 7]
+    assert whole and all(float(raised[i, 7]) == 0.5 for i in whole)
+    assert float(raised[:, 0].abs().sum()) == 0.0  # the anchor slot is given, never trained
+
+
 def test_labels_are_the_tokens_at_block_positions() -> None:
     ids = torch.arange(100, 120)
     blocks, labels, weights = build_blocks(

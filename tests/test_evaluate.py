@@ -133,13 +133,13 @@ def test_evaluation_readers_run_torch_on_one_thread_and_report_their_time(
     assert 0 < result["eval_walk_seconds"] <= result["eval_seconds"]
 
 
-def test_evaluation_draws_uniform_anchors_whatever_training_drew(cache_dir: Path) -> None:
+def test_evaluation_draws_uniform_anchors_and_weighs_by_decay_whatever_training_did(cache_dir: Path) -> None:
     # --copy-anchor-weight changes which anchors TRAINING sees; held-out metrics of runs with and without it
     # must be measured on the same anchors, or their tau would not compare
     frozen = load_frozen_target(cache_dir, dtype=torch.float32)
     results = []
     for weight in (1.0, 20.0):
-        spec = _spec(copy_anchor_weight=weight)
+        spec = _spec(copy_anchor_weight=weight, copy_slot_weight=weight - 1.0)
         with Cache.open(cache_dir) as cache:
             result = evaluate(_model(frozen), frozen, cache, build_eval_set(cache, spec), spec,
                               device=torch.device("cpu"), walk=False)  # fmt: skip

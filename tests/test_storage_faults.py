@@ -151,27 +151,40 @@ def test_resume_on_another_node_without_the_staging_directory(
 def test_server_gone_mid_upload_is_retried_and_counted(
     s3, setup: dict, tmp_path: Path, monkeypatch, capsys
 ) -> None:
-    """A short outage after the first shard object: every request retried with backoff, the run completes."""
+    """An outage after the first shard object, lasting until the run has retried: every request retried with
+    backoff, the run completes."""
     from dflash.extract import stages
     from dflash.extract.cli import run_config
 
     bucket = s3.new_bucket()
     url = f"s3://{bucket}/c"
     step = stages.GpuStep.__call__
-    monkeypatch.setattr(stages.GpuStep, "__call__", lambda self, item: (time.sleep(0.1), step(self, item))[1])
     before = transient_counts().get("retries", 0)
+    cut = threading.Event()
 
-    def outage() -> None:
-        _wait_for(lambda: any(k.startswith("c/shards/") for k in s3.keys(bucket)))
-        s3.down()
-        time.sleep(1.5)
+    def end_outage_once_retried() -> None:
+        _wait_for(lambda: transient_counts().get("retries", 0) > before)
+        time.sleep(0.5)
         s3.up()
 
-    cut = threading.Thread(target=outage)
-    cut.start()
+    # The server goes down from inside the forward, while outputs are still to be written (a thread watching
+    # the bucket could see the first shard only after the last one, under load), and comes back only once a
+    # request has failed and been retried.
+    def cut_after_first_shard(self, item):
+        time.sleep(0.1)
+        if not cut.is_set() and any(k.startswith("c/shards/") for k in s3.keys(bucket)):
+            s3.down()
+            cut.set()
+            threading.Thread(target=end_outage_once_retried, daemon=True).start()
+        return step(self, item)
+
+    monkeypatch.setattr(stages.GpuStep, "__call__", cut_after_first_shard)
     config = make_config(**{**_spec(setup, url, tmp_path / "stage"), "unit_bytes": UNIT_BYTES, "json": False})
-    assert run_config(config) == 0
-    cut.join()
+    try:
+        assert run_config(config) == 0
+    finally:
+        s3.up()
+    assert cut.is_set()
     assert "requests retried (connection: " in capsys.readouterr().out
     assert transient_counts().get("retries", 0) > before
     assert _remote_shards(url, tmp_path / "read") == shard_bytes(setup["reference"])

@@ -84,6 +84,8 @@ def test_config_file_keys_mirror_flags_and_flags_win(tmp_path: Path, suffix: str
         (["--cache", "C", "--out", "O", "--target-layer-ids", "1,x"], "target_layer_ids='1,x'"),
         (["--cache", "C", "--out", "O", "--eval-fraction", "1.5"], "eval_fraction=1.5"),
         (["--cache", "C", "--out", "O", "--copy-anchor-weight", "0.5"], "copy_anchor_weight=0.5: must be"),
+        (["--cache", "C", "--out", "O", "--copy-slot-weight", "-1"], "copy_slot_weight=-1.0: must be"),
+        (["--cache", "C", "--out", "O", "--copy-slot-weight", "nan"], "copy_slot_weight=nan: must be"),
         (["--cache", "/nonexistent/cache", "--out", "O"], "no manifest"),
         (["--cache", "C", "--out", "O", "--device", "cpu", "--attention", "flex"], "needs a CUDA device"),
     ],

@@ -9,9 +9,12 @@ Public API (stable):
     eligible_anchors(loss_mask) -> LongTensor       positions a with loss_mask[a] and loss_mask[a+1]
     sample_anchors(loss_mask, num_anchors, generator, preference=None) -> LongTensor (sorted, distinct)
     copy_preference(input_ids, loss_mask, block_size, weight) -> Tensor[S]   anchor odds by what lookup copies
+    lookup_copies(input_ids, loss_mask, block_size) -> LongTensor[S]   tokens prompt lookup gets accepted there
+    raise_copied_slots(weights, copied, weight) -> Tensor[n, B]   slots lookup copies weighed at least `weight`
     build_blocks(input_ids, loss_mask, anchors, block_size, mask_token_id, gamma) -> (block_ids, labels, weights)
     make_packed_batch(sequences, *, block_size, mask_token_id, num_anchors, gamma=None, generator=None,
-                      anchors=None, layer_ids=None, pad_blocks_to_multiple=1, copy_anchor_weight=1.0)
+                      anchors=None, layer_ids=None, pad_blocks_to_multiple=1, copy_anchor_weight=1.0,
+                      copy_slot_weight=0.0)
                       -> PackedBatch
 
 A sequence may be a `SequenceInput` or anything with `input_ids`, `loss_mask` and `hidden: dict[layer, [S, H]]`
@@ -164,9 +167,29 @@ def copy_preference(
     Where the drafter loses to prompt lookup is where lookup copies whole blocks (the quality benchmark's
     lookup split); drawing those anchors more often shows the drafter more copies to learn from. Anchors
     lookup cannot draft at all keep odds 1, so every eligible anchor can still be drawn."""
+    return _copy_odds(lookup_copies(input_ids, loss_mask, block_size), block_size, weight)
+
+
+def _copy_odds(copies: torch.Tensor, block_size: int, weight: float) -> torch.Tensor:
+    return 1.0 + (weight - 1.0) * copies.double() / (block_size - 1)
+
+
+def lookup_copies(input_ids: torch.Tensor, loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[S] int64: the drafted tokens prompt lookup would get accepted at each anchor (0 where none)."""
     accepted = lookup_accepted(input_ids.numpy(), loss_mask.numpy(), block_size - 1)
-    share = torch.from_numpy(accepted.clip(min=0)).double() / (block_size - 1)
-    return 1.0 + (weight - 1.0) * share
+    return torch.from_numpy(accepted.clip(min=0))
+
+
+def raise_copied_slots(weights: torch.Tensor, copied: torch.Tensor, weight: float) -> torch.Tensor:
+    """`weights` [n, B] with slots 1..copied[i] of block i raised to at least `weight`.
+
+    The decay (or reach's floor) weighs slot 10 at e^-4.5 with gamma 2, so the far slots of a block prompt
+    lookup copies whole barely train, and there the drafter falls furthest behind lookup (the benchmark's
+    split). A copy is the same operation at every slot: its far slots are as learnable as its first. Slots
+    outside the response keep weight 0 (lookup counts only response tokens)."""
+    k = torch.arange(weights.shape[1])
+    copy = (k[None, :] >= 1) & (k[None, :] <= copied[:, None]) & (weights > 0)
+    return torch.where(copy, weights.clamp(min=weight), weights)
 
 
 def build_blocks(
@@ -223,11 +246,13 @@ def make_packed_batch(
     pad_blocks_to_multiple: int = 1,
     feature_dtype: torch.dtype | None = None,
     copy_anchor_weight: float = 1.0,
+    copy_slot_weight: float = 0.0,
 ) -> PackedBatch:
     """Pack sequences into one row: all context tokens, then up to `num_anchors` blocks PER sequence.
 
     `anchors` (one tensor per sequence) replaces sampling, e.g. every eligible position for evaluation.
-    `copy_anchor_weight` != 1 draws anchors by `copy_preference` instead of uniformly.
+    `copy_anchor_weight` != 1 draws anchors by `copy_preference` instead of uniformly; `copy_slot_weight` > 0
+    weighs the slots prompt lookup would copy at least that much (`raise_copied_slots`).
     Padding blocks (block_seq -1, weight 0) round N up to a multiple of `pad_blocks_to_multiple`.
     """
     if not sequences:
@@ -249,13 +274,17 @@ def make_packed_batch(
                 f"sequence {index}: input_ids ({s}), loss_mask ({mask.shape[0]}) and features "
                 f"({[f.shape[0] for f in feats]}) disagree on length"
             )
+        copies = None
+        if copy_slot_weight > 0 or (anchors is None and copy_anchor_weight != 1.0):
+            copies = lookup_copies(ids, mask, block_size)
         if anchors is not None:
             chosen = anchors[index].long()
         else:
-            weight = copy_anchor_weight
-            prefer = None if weight == 1.0 else copy_preference(ids, mask, block_size, weight)
+            prefer = None if copy_anchor_weight == 1.0 else _copy_odds(copies, block_size, copy_anchor_weight)
             chosen = sample_anchors(mask, num_anchors, generator, prefer)
         blk, lab, wt = build_blocks(ids, mask, chosen, block_size, mask_token_id, gamma)
+        if copy_slot_weight > 0:
+            wt = raise_copied_slots(wt, copies[chosen], copy_slot_weight)
         parts.append(feats)
         lengths.append(s)
         block_parts.append((blk, lab, wt, chosen, torch.full_like(chosen, index)))

@@ -133,6 +133,12 @@ def _train_parser() -> argparse.ArgumentParser:
         "nothing (in between by the share it copies; default 1: uniform)",
     )
     model.add_argument(
+        "--copy-slot-weight",
+        type=float,
+        help="least loss weight of the slots prompt lookup would copy at an anchor, whatever the decay gives "
+        "them (default 0: off)",
+    )
+    model.add_argument(
         "--gamma",
         type=float,
         help="loss decay over block positions: reach's floor (default 1), or with --slot-weights decay the "

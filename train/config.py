@@ -93,6 +93,7 @@ class DraftSpec:
     mask_token_id: int | None = None
     distill: float = 0.0  # share of the target's distribution in each label (loss.Distill); 0: hard labels
     copy_anchor_weight: float = 1.0  # odds of anchors prompt lookup copies (blocks.copy_preference)
+    copy_slot_weight: float = 0.0  # least weight of slots prompt lookup copies (blocks.raise_copied_slots)
 
     def __post_init__(self) -> None:
         _positive("num_draft_layers", self.num_draft_layers)
@@ -102,6 +103,10 @@ class DraftSpec:
         if not (self.copy_anchor_weight >= 1.0 and math.isfinite(self.copy_anchor_weight)):
             raise ValueError(
                 f"copy_anchor_weight={self.copy_anchor_weight}: must be a finite number >= 1 (1: uniform anchors)"
+            )
+        if not (self.copy_slot_weight >= 0.0 and math.isfinite(self.copy_slot_weight)):
+            raise ValueError(
+                f"copy_slot_weight={self.copy_slot_weight}: must be a finite number >= 0 (0: off)"
             )
         if self.block_size < 2:
             raise ValueError(

@@ -45,6 +45,7 @@ class DataSpec:
     num_anchors: int
     gamma: float
     copy_anchor_weight: float = 1.0  # anchors' odds where prompt lookup copies (blocks.copy_preference)
+    copy_slot_weight: float = 0.0  # least weight of slots prompt lookup copies (blocks.raise_copied_slots)
     token_budget: int
     max_length: int
     on_corrupt: str = "fail"
@@ -88,6 +89,7 @@ class DataSpec:
             num_anchors=cfg.drafter.num_anchors,
             gamma=cfg.drafter.loss_gamma,
             copy_anchor_weight=cfg.drafter.copy_anchor_weight,
+            copy_slot_weight=cfg.drafter.copy_slot_weight,
             token_budget=cfg.data.token_budget,
             max_length=cfg.data.max_length,
             on_corrupt=cfg.data.on_corrupt,
@@ -123,6 +125,7 @@ class DataSpec:
             layer_ids=self.layer_ids,
             pad_blocks_to_multiple=self.pad_blocks_to_multiple,
             copy_anchor_weight=self.copy_anchor_weight,
+            copy_slot_weight=self.copy_slot_weight,
         )
 
 

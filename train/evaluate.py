@@ -135,8 +135,9 @@ def evaluate(
     module docstring). An empty held-out set gives {}."""
     if not eval_set.batches:
         return {}
-    # held-out anchors are drawn uniformly whatever training drew, so runs with other anchor odds compare
-    spec = replace(spec, copy_anchor_weight=1.0)
+    # held-out anchors are drawn uniformly and weighed by the decay alone whatever training did, so runs with
+    # other anchor odds or copy weights compare
+    spec = replace(spec, copy_anchor_weight=1.0, copy_slot_weight=0.0)
     started = time.perf_counter()
     was_training = model.training
     model.eval()

@@ -23,7 +23,8 @@ extraction took 222 s cold and 74 s with it):
 Longer than one call of a rationed machine (`--size full`: six 6000-step runs side by side trained ~21 min with 3
 drafter layers, the sizes' depth before the 5 they train now):
 start it detached (`setsid nohup python bench/bench_quality.py ... > W/bench.log 2>&1 &`) and read each run's
-`W/runs/*/metrics.jsonl` from later calls while the machine is still held. The first codec's first seed
+`W/runs/*/metrics.jsonl` from later calls while the machine is still held (two of three sessions' second calls
+found a fresh machine instead: BENCHMARKS.md). The first codec's first seed
 evaluates along the way (`eval_points`), the other runs at their end; `--train-args "--eval-every 1500"` makes
 every run do so, so a cut leaves numbers behind (six evaluations at once: 25-42 s each).
 
@@ -44,6 +45,7 @@ Prints one table (after a line naming the target) and writes `quality.json` unde
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -173,6 +175,7 @@ def phase_data(work: Path, size: Size, tokenizer: Any, train_files: list, held_f
         "eval_rows": list(range(spec.train_rows, spec.train_rows + spec.eval_rows)),
         "tokens": int(sum(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))),
         "generate_seconds": round(seconds, 1),
+        "rows_sha256": hashlib.sha256(rows_path.read_bytes()).hexdigest(),  # whether two machines' rows agree
     }
     meta_path.write_text(json.dumps(meta) + "\n")
     return meta
@@ -393,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target {args.target}: {info['params'] / 1e6:.1f}M params, LM loss {info['first_loss']:.2f} -> {info['final_loss']:.2f} "
           f"({info['train_tokens'] / 1e6:.1f}M tokens, {info['seconds']:.0f} s); data: {meta['rows']} rows, "
           f"{meta['tokens'] / 1e6:.2f}M tokens; corpus sha256 {str(info['corpus'].get('sha256'))[:16]}, "
-          f"weights sha256 {str(info.get('weights_sha256'))[:16]}")  # fmt: skip
+          f"weights sha256 {str(info.get('weights_sha256'))[:16]}, rows sha256 {str(meta.get('rows_sha256'))[:16]}")  # fmt: skip
     if good:
         print_table(report)
     return 0 if len(good) == len(runs) else 1

@@ -227,6 +227,28 @@ def target_model(config: Any) -> Any:
     return Qwen3ForCausalLM(config)
 
 
+@contextlib.contextmanager
+def deterministic_kernels(strict: bool = True) -> Iterator[None]:
+    """Torch's deterministic algorithms for the block (the previous setting restored after it)."""
+    # Three H200 machines trained three targets from one code and seed (prompt lookup walks 2.775-2.883), so
+    # the benchmark's baseline moved between sessions. Deterministic kernels (the embedding's backward, cuBLAS
+    # workspaces) remove the GPU's share of that. Warn-only, that let cuDNN's attention backward through: two
+    # builds side by side on one H200 came out different (prompt lookup 2.720 and 2.632 on their rows). Strict,
+    # cuDNN picks its deterministic algorithm, at no cost measured, and a kernel with none stops the build at
+    # its first step, naming itself, rather than build another target (BENCHMARKS.md). The weights' digest in
+    # bench_target.json says whether two builds agree; the corpus digest whether their sources did.
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=not strict)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
+
+
 def train_target(
     spec: TargetSpec,
     tokenizer: Any,
@@ -239,23 +261,8 @@ def train_target(
     """Next-token training on random windows of the training files; saved in bf16 with tied embeddings.
     `strict=False` only warns where a kernel is nondeterministic (how targets were built before: a control
     for `bench/bench_target_determinism.py`)."""
-    import torch
-
-    # Three H200 machines trained three targets from one code and seed (prompt lookup walks 2.775-2.883), so
-    # the benchmark's baseline moved between sessions. Deterministic kernels (the embedding's backward, cuBLAS
-    # workspaces) remove the GPU's share of that. Warn-only, that let cuDNN's attention backward through: two
-    # builds side by side on one H200 came out different (prompt lookup 2.720 and 2.632 on their rows). Strict,
-    # cuDNN picks its deterministic algorithm, at no cost measured, and a kernel with none stops the build at
-    # its first step, naming itself, rather than build another target (BENCHMARKS.md). The weights' digest in
-    # bench_target.json says whether two builds agree; the corpus digest whether their sources did.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=not strict)
-    try:
+    with deterministic_kernels(strict):
         info = _train_target(spec, tokenizer, files, out, device, seed)
-    finally:
-        torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
     info["weights_sha256"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     return info
 
@@ -413,7 +420,10 @@ def greedy_continuations(
             p = torch.from_numpy(prompts[i].astype(np.int64))
             ids[row, width - len(p) :] = p
             mask[row, width - len(p) :] = 1
-        with torch.inference_mode():
+        # The same target gave other rows in another session (rows.arrow's digest differed, the weights' did
+        # not): greedy decoding flips on bf16 rounding, so generation picks deterministic kernels too (warn
+        # only: generate's ops were never run under strict mode on the GPU, and a stop here wastes the build).
+        with torch.inference_mode(), deterministic_kernels(strict=False):
             generated = model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),

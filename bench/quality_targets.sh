@@ -14,6 +14,8 @@
 # device call (8 files back) polls all three targets and keeps two files of its own. Give `poll` less than the
 # call's limit minus its start (a call's output held in a pipe is lost when the limit kills it; DEST is not).
 # `poll` on a machine with no logs under W (not the one that ran `start`) ends at once with status 3.
+# Two of three sessions' second calls landed on a fresh machine (BENCHMARKS.md, 2026-12-04): runs that outlast
+# one call are lost as often as not; plan them to fit one (`bench/quality_profile.sh` follows one inside a call).
 set -u
 cmd=${1:?start or poll}
 work=${2:?work folder}

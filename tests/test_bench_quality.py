@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from dataclasses import asdict, replace
@@ -21,6 +22,7 @@ def test_ci_size_runs_every_phase_and_reports_on_heldout_rows(tmp_path: Path, ca
     report = json.loads((work / "runs" / "quality.json").read_text())
     size = bench_quality.SIZES["ci"]
     meta = json.loads((work / "data" / "rows.json").read_text())
+    assert meta["rows_sha256"] == hashlib.sha256((work / "data" / "rows.arrow").read_bytes()).hexdigest()
     # Evaluation rows come after the training rows and are held out of every run.
     assert meta["eval_rows"] == list(range(size.data.train_rows, size.data.train_rows + size.data.eval_rows))
     for fraction in size.fractions:
@@ -321,6 +323,43 @@ def test_hybrid_target_trains_through_the_torch_delta_rule_and_leaves_it_as_it_w
     )
     with quality_data.torch_delta_rule_for_training(plain) as what:
         assert what is None
+
+
+def test_greedy_continuations_pick_deterministic_kernels_and_restore_the_mode(monkeypatch) -> None:
+    """The same target's rows differed between two sessions' H200s: generation runs on deterministic kernels
+    (warn-only: a kernel without one must not stop the data phase after the target's build)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    modes = []
+
+    class Greedy:  # a stand-in LM: answers zeros, records the mode it generated under
+        def to(self, device):
+            return self
+
+        def eval(self):
+            return self
+
+        def generate(self, input_ids, max_new_tokens, **kw):
+            modes.append((torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled()))  # fmt: skip
+            return torch.cat(
+                [input_ids, torch.zeros(input_ids.shape[0], max_new_tokens, dtype=torch.long)], 1
+            )
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Greedy())
+    spec = replace(bench_quality.SIZES["ci"].data, gen_batch=2)
+    prompts = [np.arange(1, n, dtype=np.int32) for n in (5, 9, 7)]
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    answers = quality_data.greedy_continuations(Path("unused"), prompts, spec, pad_id=0, device="cpu")
+    assert [len(a) for a in answers] == [spec.new_tokens] * 3
+    assert modes == [(True, True)] * 2  # two batches of at most 2 rows
+    assert (torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled()) == before  # fmt: skip
 
 
 def test_target_trains_under_strict_determinism_and_records_its_weights_digest(

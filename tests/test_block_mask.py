@@ -86,3 +86,26 @@ def test_padding_blocks_have_empty_intervals_and_real_ones_end_at_their_anchor()
     assert torch.equal(iv.lo[~real], iv.hi[~real]) and (iv.own[~real] + 4 <= 0).all()
     starts = torch.tensor([0, 30])[batch.block_seq[real]]
     assert torch.equal(iv.lo[real], starts) and torch.equal(iv.hi[real], starts + batch.anchor_pos[real])
+
+
+def test_a_batch_carries_its_tiles_through_moves_and_its_mask_uses_them() -> None:
+    batch = _pack([50, 37, 9], 6, 4, 3, 11)
+    carried = batch.with_tile_layout(16).to("cpu", non_blocking=True)  # the loader's copy, on the CPU
+    layout = carried.tile_layout
+    # the layout's tensors travel with the batch (the loader's record_stream covers them)
+    held = {id(t) for t in carried.tensors()}
+    assert all(id(t) in held for t in layout.tensors())
+    mine, fresh = FlexMask.from_batch(carried, 16).block_mask, FlexMask.from_batch(batch, 16).block_mask
+    assert mine.kv_indices is layout.kv[1] and mine.full_q_num_blocks is layout.full_q[0]  # not rebuilt
+    assert mine.seq_lengths == fresh.seq_lengths
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices"):  # fmt: skip
+        assert torch.equal(getattr(mine, name), getattr(fresh, name)), name
+    # another tile size is built on the spot, not read off the carried one
+    other = FlexMask.from_batch(carried, 8).block_mask
+    assert other.BLOCK_SIZE == (8, 8) and torch.equal(
+        other.kv_indices, FlexMask.from_batch(batch, 8).block_mask.kv_indices
+    )
+    # dequantized() and the dense path keep working on a carrying batch
+    assert carried.dequantized().tile_layout is layout
+    assert torch.equal(DenseMask.from_batch(carried).allowed, DenseMask.from_batch(batch).allowed)

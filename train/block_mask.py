@@ -16,11 +16,14 @@ result equals `create_block_mask` over `mask.mask_mod_for` (the rule) tile for t
 Public API:
     KeyIntervals.of(batch) -> KeyIntervals(lo, hi, own)      [N] long tensors
     KeyIntervals.mask_mod() -> mask_mod(b, h, q_idx, kv_idx)  the same rule as `mask.mask_mod_for`, as intervals
-    layout_block_mask(batch, tile=128) -> BlockMask
+    TileLayout.of(batch, tile=128) -> TileLayout              the BlockMask's tensors, wherever the batch is
+        .map(fn) / .tensors() / .block_mask() -> BlockMask   moved with its batch (`PackedBatch.tile_layout`)
+    layout_block_mask(batch, tile=128) -> BlockMask          the batch's own TileLayout when it has one
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +33,9 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from .blocks import PackedBatch
     from .mask import MaskMod
+
+
+TensorFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +61,9 @@ class KeyIntervals:
             block_size=b,
             num_keys=t + n * b,
         )
+
+    def map(self, fn: TensorFn) -> KeyIntervals:
+        return KeyIntervals(fn(self.lo), fn(self.hi), fn(self.own), self.block_size, self.num_keys)
 
     def mask_mod(self) -> MaskMod:
         lo, hi, own, b = self.lo, self.hi, self.own, self.block_size
@@ -100,30 +109,69 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num[None, None].contiguous(), indices[None, None].contiguous()
 
 
-def layout_block_mask(batch: PackedBatch, tile: int = 128) -> object:
-    """The BlockMask of `batch` (queries: its N*B block slots; keys: T context tokens then the slots)."""
-    from torch.nn.attention.flex_attention import BlockMask
+@dataclass(frozen=True, slots=True)
+class TileLayout:
+    """A batch's BlockMask as tensors: its key intervals and, per direction, the (count, indices) pairs of
+    its partial and full tiles. A GPU run's loader builds it on the CPU beside the batch and copies it with
+    the batch (`PackedBatch.tile_layout`), so the training thread launches none of its ~25 small kernels:
+    they took 12% of that thread's time at the full size's 5-layer drafter (BENCHMARKS.md)."""
 
-    intervals = KeyIntervals.of(batch)
-    counts = intervals.tile_counts(tile, tile)
-    full = counts == tile * tile
-    partial = (counts > 0) & ~full
-    # The backward walks the same tiles per key tile: the transposed matrices, ordered the same way
-    # (what BlockMask.from_kv_blocks derives through a dense round trip).
-    kv_num, kv_indices = _ordered(partial)
-    full_kv_num, full_kv_indices = _ordered(full)
-    q_num, q_indices = _ordered(partial.t())
-    full_q_num, full_q_indices = _ordered(full.t())
-    return BlockMask(
-        (batch.num_blocks * batch.block_size, intervals.num_keys),
-        kv_num,
-        kv_indices,
-        full_kv_num,
-        full_kv_indices,
-        q_num,
-        q_indices,
-        full_q_num,
-        full_q_indices,
-        (tile, tile),
-        intervals.mask_mod(),
-    )
+    intervals: KeyIntervals
+    kv: tuple[torch.Tensor, torch.Tensor]  # partial tiles by query tile: ([1, 1, Q], [1, 1, Q, KV])
+    full_kv: tuple[torch.Tensor, torch.Tensor]
+    q: tuple[torch.Tensor, torch.Tensor]  # the same by key tile, for the backward
+    full_q: tuple[torch.Tensor, torch.Tensor]
+    num_queries: int
+    tile: int
+
+    @classmethod
+    def of(cls, batch: PackedBatch, tile: int = 128) -> TileLayout:
+        intervals = KeyIntervals.of(batch)
+        counts = intervals.tile_counts(tile, tile)
+        full = counts == tile * tile
+        partial = (counts > 0) & ~full
+        # The backward walks the same tiles per key tile: the transposed matrices, ordered the same way
+        # (what BlockMask.from_kv_blocks derives through a dense round trip).
+        return cls(
+            intervals=intervals,
+            kv=_ordered(partial),
+            full_kv=_ordered(full),
+            q=_ordered(partial.t()),
+            full_q=_ordered(full.t()),
+            num_queries=batch.num_blocks * batch.block_size,
+            tile=tile,
+        )
+
+    def map(self, fn: TensorFn) -> TileLayout:
+        """The same layout with `fn` applied to every tensor (`.to(device)`, `.pin_memory()`)."""
+        pairs = {name: tuple(fn(t) for t in getattr(self, name)) for name in ("kv", "full_kv", "q", "full_q")}
+        return TileLayout(
+            intervals=self.intervals.map(fn), num_queries=self.num_queries, tile=self.tile, **pairs
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        i = self.intervals
+        return [i.lo, i.hi, i.own, *self.kv, *self.full_kv, *self.q, *self.full_q]
+
+    def block_mask(self) -> object:
+        """FlexAttention's BlockMask (queries: the N*B block slots; keys: T context tokens then the slots)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        return BlockMask(
+            (self.num_queries, self.intervals.num_keys),
+            *self.kv,
+            *self.full_kv,
+            *self.q,
+            *self.full_q,
+            (self.tile, self.tile),
+            self.intervals.mask_mod(),
+        )
+
+
+def layout_block_mask(batch: PackedBatch, tile: int = 128) -> object:
+    """The BlockMask of `batch`: from the layout it carries when that has this tile size, else built here
+    (on the batch's device)."""
+    layout = batch.tile_layout
+    if layout is None or layout.tile != tile:
+        layout = TileLayout.of(batch, tile)
+    return layout.block_mask()

@@ -2,7 +2,8 @@
 
 Public API (stable):
     PackedBatch                      the model's input (fields as in ARCHITECTURE.md), `.to(device)`, `.pin_memory()`,
-                                     `.dequantized()` (fp8-packed features -> bf16 wherever the batch is)
+                                     `.dequantized()` (fp8-packed features -> bf16 wherever the batch is),
+                                     `.with_tile_layout()` (FlexAttention's tiles built ahead, `block_mask.py`)
     SequenceInput(input_ids, loss_mask, features)   one sequence; `features` [S, K*H]
     default_gamma(block_size) -> float              7 / 5 / 4 for B = 16 / 10 / 8 (the rule lives in config.py)
     slot_weights(block_size, gamma) -> Tensor[B]    0 at slot 0, exp(-(k-1)/gamma) after
@@ -35,6 +36,7 @@ import torch
 from dflash.shards import Fp8Block, dequantize_fp8
 from dflash.shards.qcodec import QBlock, dequantize_q
 
+from .block_mask import TileLayout
 from .config import default_gamma
 from .lookup import lookup_accepted
 
@@ -59,6 +61,8 @@ class PackedBatch:
     # q codes only: ratio codes uint8 [T, K*ceil(H/32)] and channel scale codes int8 [sequences, K*H]
     feature_group_scales: torch.Tensor | None = None
     feature_channel_scales: torch.Tensor | None = None
+    # FlexAttention's tiles, built ahead by a GPU run's loader (`with_tile_layout`); None: built when needed
+    tile_layout: TileLayout | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -73,8 +77,15 @@ class PackedBatch:
         return int(self.features.shape[0])
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the batch holds (optional fields that are None left out)."""
-        return [t for f in fields(self) if (t := getattr(self, f.name)) is not None]
+        """Every tensor the batch holds (optional fields that are None left out, the tile layout's in)."""
+        held = [getattr(self, f.name) for f in fields(self)]
+        return [t for t in held if isinstance(t, torch.Tensor)] + (
+            self.tile_layout.tensors() if self.tile_layout is not None else []
+        )
+
+    def with_tile_layout(self, tile: int = 128) -> PackedBatch:
+        """This batch carrying its FlexAttention tiles (`block_mask.TileLayout`), built where it is."""
+        return replace(self, tile_layout=TileLayout.of(self, tile))
 
     def _map(self, fn: Any) -> PackedBatch:
         return PackedBatch(**{f.name: _maybe(fn, getattr(self, f.name)) for f in fields(self)})
@@ -111,8 +122,10 @@ class PackedBatch:
         )
 
 
-def _maybe(fn: Any, t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else fn(t)
+def _maybe(fn: Any, t: torch.Tensor | TileLayout | None) -> torch.Tensor | TileLayout | None:
+    if t is None:
+        return None
+    return t.map(fn) if isinstance(t, TileLayout) else fn(t)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,9 @@ Stages, each feeding the next through a bounded queue, all stopped by one event:
 
     planner thread   walks `data_plan` (one shard index at a time) and submits one read per sample
     decode pool      `loader_threads` threads: pread + checksum + decompress only the needed layers
-    build pool       anchors, blocks and packing on the CPU (`make_packed_batch`), then pinning (CUDA)
+    build pool       anchors, blocks and packing on the CPU (`make_packed_batch`), FlexAttention's tiles
+                     (CUDA, `block_mask.TileLayout`: the training thread launches none of their kernels),
+                     then pinning (CUDA)
     copy thread      (CUDA only) host-to-device copy on a side stream, an event per batch
     consumer         `iterate()`: yields (LoadedBatch, state_dict) in plan order
 The planner, pool and copy threads run torch on themselves alone (`shards/threads.py`); the consumer, the
@@ -40,6 +42,7 @@ from .blocks import PackedBatch
 from .config import TrainConfig
 from .data_plan import SampleRef, ShardEntries, epoch_batches, group_for_ranks
 from .data_spec import DataSpec, read_sample, shard_entries
+from .mask import flex_possible
 
 if TYPE_CHECKING:
     from .model import DrafterConfig
@@ -200,6 +203,8 @@ class StreamingLoader:
             loss_scale = 0.0
             samples = [self._filler()]
         batch = self.spec.pack(samples, generator=anchor_generator(self.spec.seed, job.epoch, job.index))
+        if self.device.type == "cuda" and flex_possible(batch, self.spec.attention):
+            batch = batch.with_tile_layout()  # here, not on the training thread (`block_mask.TileLayout`)
         # On CUDA the copy thread dequantizes fp8 batches on the GPU; elsewhere it happens here.
         batch = batch.pin_memory() if self.device.type == "cuda" else batch.dequantized()
         rows = [s.row for s in samples] if loss_scale else []

@@ -13,6 +13,7 @@ Public API (stable):
         FlexMask.from_rule(batch)    the same BlockMask from create_block_mask over `mask_mod_for` (reference)
     build_attention_mask(batch, backend="auto") -> DenseMask | FlexMask   (see `choose_backend`)
     choose_backend(batch, backend="auto") -> "dense" | "flex"   the rule "auto" follows
+    flex_possible(batch, backend="auto") -> bool           FlexAttention may serve it on a GPU (tiles ahead)
     with flex_scope("walk"): ...   an "auto" fallback inside is the scope's alone (training keeps its kernel)
         visible_pairs(batch) -> int                             allowed (query, key) pairs (for FLOP counts)
 q: [1, Hq, M, D], k/v: [1, Hkv, T+M, D] (GQA handled inside), output [1, Hq, M, D].
@@ -175,7 +176,8 @@ class FlexMask:
 
     @classmethod
     def from_batch(cls, batch: PackedBatch, block: int = 128, *, fallback_to_dense: bool = False) -> FlexMask:
-        """The BlockMask from the pack's layout (a few small kernels on the batch's device)."""
+        """The BlockMask from the pack's layout: the tiles the batch carries (`PackedBatch.tile_layout`), else
+        built here (a few small kernels on the batch's device)."""
         return cls(
             block_mask=layout_block_mask(batch, block),
             fallback_batch=batch if fallback_to_dense else None,
@@ -242,14 +244,18 @@ def choose_backend(
         raise ValueError(f"attention backend must be 'auto', 'dense' or 'flex', got {backend!r}")
     if backend != "auto":
         return backend
-    m = batch.num_blocks * batch.block_size
-    if (
-        batch.block_seq.device.type != "cuda"
-        or m * (batch.num_context_tokens + m) <= AUTO_DENSE_MAX_PAIRS
-        or flex_failure() is not None
-    ):
+    if batch.block_seq.device.type != "cuda" or not flex_possible(batch) or flex_failure() is not None:
         return "dense"
     return "flex"
+
+
+def flex_possible(batch: PackedBatch, backend: Literal["auto", "dense", "flex"] = "auto") -> bool:
+    """Whether FlexAttention may serve `batch` on a GPU: "flex", or "auto" past the dense size. A GPU run's
+    loader builds such batches' tiles ahead (`PackedBatch.with_tile_layout`), on its CPU threads."""
+    if backend != "auto":
+        return backend == "flex"
+    m = batch.num_blocks * batch.block_size
+    return m * (batch.num_context_tokens + m) > AUTO_DENSE_MAX_PAIRS
 
 
 def build_attention_mask(

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One quality-benchmark run on a GPU machine, followed inside one device call: its progress every 10 s, a py-spy
+# profile of the `dflash-train` process once it passes a step, and its logs, all under DEST:
+#
+#   source bench/device_env.sh            # with py-spy's wheel in .whl/, fetched here by README's device command:
+#       python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#           --platform manylinux1_x86_64 -d .whl py-spy==0.4.3
+#   bash bench/quality_profile.sh W DEST SECONDS STEP [bench_quality.py flags...]
+#
+# e.g. `... /tmp/w $OUT/logs 545 400 --target code --size full --codecs fp8 --fractions 1 --seeds 1 --parallel 1`
+# (add `--unpack DIR` to start from a packed target and rows, `--pack $OUT/pack` to bring them back).
+# DEST gets progress.txt (time, step, phase), spy_raw.txt (30 s at 100 Hz, thread ids, idle frames: read it with
+# `python bench/spy_summary.py`), bench.tail (the benchmark's and the run's log tails), metrics.jsonl, and the
+# target's and rows' digests in progress.txt. Ends after SECONDS, leaving the run to the end of the call.
+set -u
+work=${1:?work folder}
+dest=${2:?dest folder}
+seconds=${3:?seconds}
+spy_step=${4:?step to profile at}
+shift 4
+mkdir -p "$dest" "$work"
+start=$SECONDS
+python3 bench/bench_quality.py --work "$work" "$@" >"$work/bench.log" 2>&1 &
+step_now() {
+  local m
+  m=$(find "$work" -name metrics.jsonl 2>/dev/null | head -n 1)
+  [ -n "$m" ] || { echo 0; return; }
+  tail -n 1 "$m" | python3 -c 'import json, sys; print(json.loads(sys.stdin.read() or "{}").get("step", 0))' 2>/dev/null || echo 0
+}
+spied=0
+while [ $((SECONDS - start)) -lt "$seconds" ]; do
+  step=$(step_now)
+  echo "t=$((SECONDS - start)) step=$step $(grep -E '^\[|^unpacked' "$work/bench.log" | tail -n 1)" >>"$dest/progress.txt"
+  if [ $spied = 0 ] && [ "$step" -ge "$spy_step" ]; then
+    pid=$(pgrep -f "dflash.train.cli" | head -n 1)
+    spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+    "$spy" record -p "$pid" -d 30 -r 100 -f raw -t --idle -o "$dest/spy_raw.txt" >"$dest/spy.txt" 2>&1
+    spied=1
+  fi
+  sleep 10
+done
+{
+  tail -n 40 "$work/bench.log"
+  for log in "$work"/cache-*.log "$work"/runs/*.log; do
+    [ -f "$log" ] && { echo "== $log"; grep -v Warning "$log" | tail -n 30; }
+  done
+} >"$dest/bench.tail"
+metrics=$(find "$work" -name metrics.jsonl | head -n 1)
+[ -n "$metrics" ] && cp "$metrics" "$dest/metrics.jsonl"
+sha256sum "$work"/target/*.safetensors "$work"/data/rows.arrow >>"$dest/progress.txt" 2>&1
+exit 0

@@ -90,7 +90,8 @@ def test_startup_breakdown_once_per_launch(cache_dir: Path, tmp_path: Path, capl
         assert list(startup) == [*(f"{p}_s" for p in PHASES), "total_s"]
         assert all(isinstance(v, float) and v >= 0 for v in startup.values())
         assert sum(v for k, v in startup.items() if k != "total_s") <= startup["total_s"]
-        assert startup["first_step_s"] > 0 and startup["drafter_s"] > 0
+        # floored to the millisecond, a tiny drafter's build can read 0.0 (CI saw it); its first step cannot
+        assert startup["first_step_s"] > 0
     assert records[0]["startup"]["resume_s"] == 0 < records[2]["startup"]["resume_s"]
     lines = [r.getMessage() for r in caplog.records if "start-up" in r.getMessage()]
     assert len(lines) == 2 and all(r.levelno == logging.INFO for r in caplog.records if "start-up" in r.msg)

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from dflash.train.block_mask import KeyIntervals
+from dflash.train.block_mask import KeyIntervals, _ordered
 from dflash.train.blocks import SequenceInput, make_packed_batch
 from dflash.train.mask import DenseMask, FlexMask, dense_mask
 from hypothesis import given, settings
@@ -109,3 +109,14 @@ def test_a_batch_carries_its_tiles_through_moves_and_its_mask_uses_them() -> Non
     # dequantized() and the dense path keep working on a carrying batch
     assert carried.dequantized().tile_layout is layout
     assert torch.equal(DenseMask.from_batch(carried).allowed, DenseMask.from_batch(batch).allowed)
+
+
+@given(rows=st.integers(1, 30), cols=st.integers(1, 30), density=st.floats(0, 1), seed=st.integers(0, 10_000))
+@settings(max_examples=60, deadline=None)
+def test_tile_lists_are_a_stable_partition_chosen_first(rows, cols, density, seed) -> None:
+    """`_ordered` partitions instead of sorting: the same lists as a stable descending argsort, whole rows."""
+    tiles = torch.rand(rows, cols, generator=torch.Generator().manual_seed(seed)) < density
+    num, indices = _ordered(tiles)
+    expected = torch.argsort(tiles.to(torch.int32), dim=-1, descending=True, stable=True).to(torch.int32)
+    assert torch.equal(indices[0, 0], expected) and indices.dtype == torch.int32
+    assert torch.equal(num[0, 0], tiles.sum(-1, dtype=torch.int32))

@@ -82,27 +82,29 @@ class KeyIntervals:
         """[query tiles, key tiles] number of visible (query, key) pairs in each tile.
 
         Context intervals lie in the first T keys, so only those key tiles are swept block by block; a block's
-        own B slots fall in a few key tiles (one or two when B <= kv_tile), added where they land. (Sweeping every key tile for both
-        intervals took 22 ms of a CPU core for a full-size pack, N = 4,775 blocks over 660 key tiles.)"""
+        own B slots fall in a few key tiles (one or two when B <= kv_tile), added where they land. (Sweeping
+        every key tile for both intervals took 22-45 ms of a CPU core for a full-size pack, N = 4,775 blocks
+        over 660 key tiles: `bench/bench_tiles.py`.)"""
         n, b, device = self.lo.shape[0], self.block_size, self.lo.device
         kv_tiles = -(-self.num_keys // kv_tile)
         q_tiles = -(-n * b // q_tile)
-        if q_tile % b == 0:  # whole blocks per query tile: sum blocks, not rows
-            group, weight, row_of_block = q_tile // b, b, torch.arange(n, device=device)
-        else:
-            group, weight, row_of_block = q_tile, 1, None
+        by_block = q_tile % b == 0  # whole blocks per query tile: sum blocks (weighed by B), not rows
+        group, weight = (q_tile // b, b) if by_block else (q_tile, 1)
         lo, hi, own = (x.to(torch.int32) for x in (self.lo, self.hi, self.own))
 
         def rows(per_block: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [query rows, ...] as grouped
-            return per_block if row_of_block is not None else per_block.repeat_interleave(b, dim=0)
+            return per_block if by_block else per_block.repeat_interleave(b, dim=0)
+
+        def overlap(
+            lo: torch.Tensor, hi: torch.Tensor, start: torch.Tensor, end: torch.Tensor
+        ) -> torch.Tensor:
+            return (torch.minimum(hi, end) - torch.maximum(lo, start)).clamp_min(0)
 
         counts = torch.zeros(q_tiles, kv_tiles, dtype=torch.int32, device=device)
         context_tiles = -(-(self.num_keys - n * b) // kv_tile)
         if context_tiles:
             starts = torch.arange(context_tiles, device=device, dtype=torch.int32) * kv_tile
-            ends = starts + kv_tile
-            seen = (torch.minimum(hi[:, None], ends) - torch.maximum(lo[:, None], starts)).clamp_min(0)
-            seen = rows(seen)
+            seen = rows(overlap(lo[:, None], hi[:, None], starts, starts + kv_tile))
             seen = F.pad(seen, (0, 0, 0, q_tiles * group - seen.shape[0]))
             counts[:, :context_tiles] = seen.view(q_tiles, group, context_tiles).sum(dim=1, dtype=torch.int32)
         # own slots [own, own + B): in at most 1 + ceil((B - 1) / kv_tile) key tiles from the first; padding
@@ -111,9 +113,7 @@ class KeyIntervals:
         query_tile = (torch.arange(n * b // weight, device=device) // group).to(torch.int64)
         for step in range(1 + -(-(b - 1) // kv_tile)):
             tile = first + step
-            length = (
-                torch.minimum(own + b, (tile + 1) * kv_tile) - torch.maximum(own, tile * kv_tile)
-            ).clamp_min(0)
+            length = overlap(own, own + b, tile * kv_tile, (tile + 1) * kv_tile)
             tile = rows(tile.clamp_max(kv_tiles - 1)).to(torch.int64)  # an empty part may point past the end
             counts.index_put_((query_tile, tile), rows(length), accumulate=True)
         return counts * weight

@@ -42,7 +42,7 @@ from .blocks import PackedBatch
 from .config import TrainConfig
 from .data_plan import SampleRef, ShardEntries, epoch_batches, group_for_ranks
 from .data_spec import DataSpec, read_sample, shard_entries
-from .mask import flex_possible
+from .mask import flex_failure, flex_possible
 
 if TYPE_CHECKING:
     from .model import DrafterConfig
@@ -203,7 +203,12 @@ class StreamingLoader:
             loss_scale = 0.0
             samples = [self._filler()]
         batch = self.spec.pack(samples, generator=anchor_generator(self.spec.seed, job.epoch, job.index))
-        if self.device.type == "cuda" and flex_possible(batch, self.spec.attention):
+        # (not once training gave FlexAttention up: its dense fallback never reads them)
+        if (
+            self.device.type == "cuda"
+            and flex_possible(batch, self.spec.attention)
+            and not flex_failure("train")
+        ):
             batch = batch.with_tile_layout()  # here, not on the training thread (`block_mask.TileLayout`)
         # On CUDA the copy thread dequantizes fp8 batches on the GPU; elsewhere it happens here.
         batch = batch.pin_memory() if self.device.type == "cuda" else batch.dequantized()

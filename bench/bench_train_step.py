@@ -14,7 +14,9 @@ section is skipped once --time-budget seconds have passed; --json is rewritten a
            reference (bf16 autocast: "before vs reference" is the noise floor the new step should match)
     vary   the new step on other sequence lengths (dynamic-shape recompilation and its steady state)
     small  a ~5M-parameter drafter (hidden 384, 3 layers, vocab 4096), packs of 8192 tokens as the loader
-           builds them: steps/s before and after (overhead-bound: launches, host syncs, mask building)
+           builds them: steps/s before and after (overhead-bound: launches, host syncs, mask building);
+           `--small-budgets 8192,16384 --small-lengths 256,384 --small-layers 5 --small-variants new` is the
+           quality benchmark's full size (rows of 256-384 tokens, ~5k blocks a pack) at two pack sizes
     first  time to the first step of the new step in a fresh process: cold (empty Inductor cache) and warm
     curve  200 steps of the tiny config (1 layer, B=4, 8 anchors, 256-token packs), before vs new, same
            seed: the loss curves and their largest difference
@@ -41,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dataclasses import fields
 
 import dflash.train.compiled as compiled_module
+from dflash.train import block_mask
+from dflash.train import mask as mask_module
+from dflash.train.block_mask import DEFAULT_TILE, tile_shape
 from dflash.train.compiled import CompiledOrEager
 from dflash.train.mask import flex_failure, visible_pairs
 from dflash.train.model import Regions, flops_per_step
@@ -225,16 +230,34 @@ def section_vary(args: argparse.Namespace, results: dict, device: torch.device) 
 
 
 def section_small(args: argparse.Namespace, results: dict, device: torch.device) -> None:
-    budget, low, high = (512, 100, 250) if args.tiny else (8192, 1450, 3072)
+    low, high = (100, 250) if args.tiny else args.small_lengths
+    for tile in args.flex_tiles:
+        block_mask.DEFAULT_TILE = tile  # read when each step builds its BlockMask
+        mask_module._flex_failures.clear()  # a shape that failed must not send the next one to SDPA
+        for budget in (512,) if args.tiny else args.small_budgets:
+            _small_budget(args, results, device, budget, low, high)
+    block_mask.DEFAULT_TILE = DEFAULT_TILE
+
+
+def _small_budget(
+    args: argparse.Namespace, results: dict, device: torch.device, budget: int, low: int, high: int
+) -> None:
     anchors = 16 if args.tiny else 512
     setup = make_setup(
         TINY if args.tiny else SMALL, lengths=packed_lengths(budget, low, high, args.small_packs), anchors=anchors,
-        block=args.block_size, layers=3, device=device, precision=args.precision,
+        block=args.block_size, layers=args.small_layers, device=device, precision=args.precision,
     )  # fmt: skip
     tokens = sum(b.num_context_tokens for b in setup.batches) / len(setup.batches)
-    say(f"\n[small] {setup.cfg.hidden_size}-wide drafter, {len(setup.batches)} packs of ~{tokens:.0f} tokens")
-    out, profiles = results.setdefault("small", {}), {}
-    for variant in ("before", "new"):
+    blocks = sum(b.num_blocks for b in setup.batches) / len(setup.batches)
+    key = "small" if budget == 8192 and (low, high) == (1450, 3072) else f"small-{budget}-{low}-{high}"
+    tile = block_mask.DEFAULT_TILE
+    key += "" if tile == DEFAULT_TILE else f"-tile{tile[0]}x{tile[1]}"
+    say(
+        f"\n[{key}] {setup.cfg.hidden_size}-wide drafter, {args.small_layers} layers, {len(setup.batches)} packs "
+        f"of ~{tokens:.0f} tokens in sequences of {low}-{high}, ~{blocks:.0f} blocks, FlexAttention tiles {tile}"
+    )
+    out, profiles = results.setdefault(key, {}), {}
+    for variant in args.small_variants:
         try:
             step, _ = make_step(variant, setup, args.compile)
             row = time_steps(step, setup, warmup=1 if args.tiny else 2, steps=args.small_steps)
@@ -339,6 +362,19 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="distinct pack shapes cycled in [small] (2+: dynamic shapes)",
     )
+    parser.add_argument(
+        "--small-budgets", default="8192", help="[small]: comma-separated token budgets, one pack shape each"
+    )
+    parser.add_argument(
+        "--small-lengths", default="1450,3072", help="[small]: LOW,HIGH sequence lengths packed (uniform)"
+    )
+    parser.add_argument("--small-layers", type=int, default=3, help="[small]: drafter layers")
+    parser.add_argument("--small-variants", default="before,new", help="[small]: step variants")
+    parser.add_argument(
+        "--flex-tiles",
+        default="128x128",
+        help="[small]: comma-separated QxKV BlockMask tile shapes to compare",
+    )
     parser.add_argument("--vary-steps", type=int, default=3)
     parser.add_argument("--curve-steps", type=int, default=200)
     parser.add_argument("--seq-len", type=int, default=3072)
@@ -357,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     args.small_steps = args.small_steps or (2 if args.tiny else 20)
     args.profile_steps = 1 if args.tiny else args.profile_steps
     args.variants = [v for v in args.variants.split(",") if v]
+    args.small_budgets = [int(b) for b in args.small_budgets.split(",")]
+    args.small_lengths = tuple(int(n) for n in args.small_lengths.split(","))
+    args.small_variants = [v for v in args.small_variants.split(",") if v]
+    args.flex_tiles = [tile_shape(tuple(int(n) for n in t.split("x"))) for t in args.flex_tiles.split(",")]
     device = torch.device(args.device)
     warnings.filterwarnings("ignore", message=".*flex_attention.*")
     if device.type == "cpu":

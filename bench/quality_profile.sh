@@ -21,12 +21,7 @@ shift 4
 mkdir -p "$dest" "$work"
 start=$SECONDS
 python3 bench/bench_quality.py --work "$work" "$@" >"$work/bench.log" 2>&1 &
-step_now() {
-  local m
-  m=$(find "$work" -name metrics.jsonl 2>/dev/null | head -n 1)
-  [ -n "$m" ] || { echo 0; return; }
-  tail -n 1 "$m" | python3 -c 'import json, sys; print(json.loads(sys.stdin.read() or "{}").get("step", 0))' 2>/dev/null || echo 0
-}
+step_now() { python3 bench/last_step.py "$work" | cut -d ' ' -f 1; }
 spied=0
 while [ $((SECONDS - start)) -lt "$seconds" ]; do
   step=$(step_now)

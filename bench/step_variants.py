@@ -4,6 +4,8 @@
     before     the project's step as it was before issue 13: eager drafter, BlockMask from create_block_mask
                (`FlexMask.from_rule`), loss terms eager in 2048-row chunks
     new        `compiled.speed_up` (compiled regions and loss epilogue), the layout BlockMask, auto chunks
+    split      new, FlexAttention over the context keys only and each block's own slots apart
+               (`dflash-train --split-own-slots`, `train/split_attention.py`)
 All three: fp32 master weights under bf16 autocast ("amp", the trainer's recipe) or bf16 weights ("bf16"),
 fused AdamW on CUDA, clipping at 1.0, one optimizer step per call, no host sync inside the step.
 """
@@ -29,7 +31,7 @@ from bench.reference_step import ReferenceDrafter, reference_loss_and_backward
 
 # The new step first: on a fresh machine each variant compiles its own FlexAttention kernels (the
 # reference took 229 s cold on an H200), and a call cut off by its time limit should still have its number.
-VARIANTS = ("new", "reference", "before")
+VARIANTS = ("new", "split", "reference", "before")
 Step = Callable[[PackedBatch], torch.Tensor]
 
 
@@ -129,7 +131,7 @@ def build_model(variant: str, setup: Setup, seed: int = 0, compile_mode: str = "
     with setup.device:
         model = ReferenceDrafter(setup.cfg) if variant == "reference" else DFlashDrafter(setup.cfg)
     model = model.to(dtype=setup.param_dtype)
-    if variant == "new":
+    if variant in ("new", "split"):
         speed_up(model, compile_mode)
     return model
 
@@ -139,8 +141,9 @@ def loss_and_backward(variant: str, model: torch.nn.Module, setup: Setup, batch:
     if variant == "reference":
         return reference_loss_and_backward(model, setup.frozen, batch, setup.autocast())
     with setup.autocast():
-        if variant == "new":
-            loss, _ = drafter_loss(model, setup.frozen, batch, attn_mask=build_attention_mask(batch))
+        if variant in ("new", "split"):
+            mask = build_attention_mask(batch, split=variant == "split")
+            loss, _ = drafter_loss(model, setup.frozen, batch, attn_mask=mask)
         else:
             mask = legacy_attention_mask(batch)
             loss, _ = drafter_loss(model, setup.frozen, batch, attn_mask=mask, chunk_rows=2048)

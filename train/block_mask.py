@@ -16,9 +16,10 @@ result equals `create_block_mask` over `mask.mask_mod_for` (the rule) tile for t
 Public API:
     KeyIntervals.of(batch) -> KeyIntervals(lo, hi, own)      [N] long tensors
     KeyIntervals.mask_mod() -> mask_mod(b, h, q_idx, kv_idx)  the same rule as `mask.mask_mod_for`, as intervals
-    TileLayout.of(batch, tile=128) -> TileLayout              the BlockMask's tensors, wherever the batch is
+    TileLayout.of(batch, tile=None) -> TileLayout             the BlockMask's tensors, wherever the batch is
         .map(fn) / .tensors() / .block_mask() -> BlockMask   moved with its batch (`PackedBatch.tile_layout`)
-    layout_block_mask(batch, tile=128) -> BlockMask          the batch's own TileLayout when it has one
+    layout_block_mask(batch, tile=None) -> BlockMask         the batch's own TileLayout when it has one
+    tile_shape(tile) -> (query tile, key tile)               None: DEFAULT_TILE; an int: a square tile
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ if TYPE_CHECKING:
 
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
+Tile = tuple[int, int]  # (query rows, keys) of one BlockMask tile
+DEFAULT_TILE: Tile = (128, 128)
+
+
+def tile_shape(tile: int | Tile | None = None) -> Tile:
+    """(query tile, key tile): `DEFAULT_TILE` for None (read at call time), (t, t) for an int t."""
+    tile = DEFAULT_TILE if tile is None else tile
+    return (tile, tile) if isinstance(tile, int) else (int(tile[0]), int(tile[1]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +53,8 @@ class KeyIntervals:
     hi: torch.Tensor  # [N] one past the last visible context key (lo = hi: none)
     own: torch.Tensor  # [N] first key of the block's own slots (padding blocks: -B, an empty interval)
     block_size: int
-    num_keys: int  # T + N * B
+    num_keys: int  # T + N * B (T alone for `context_only`)
+    num_context: int  # T
 
     @classmethod
     def of(cls, batch: PackedBatch) -> KeyIntervals:
@@ -60,10 +70,18 @@ class KeyIntervals:
             own=torch.where(real, own, zero - b),
             block_size=b,
             num_keys=t + n * b,
+            num_context=t,
         )
 
     def map(self, fn: TensorFn) -> KeyIntervals:
-        return KeyIntervals(fn(self.lo), fn(self.hi), fn(self.own), self.block_size, self.num_keys)
+        return KeyIntervals(
+            fn(self.lo), fn(self.hi), fn(self.own), self.block_size, self.num_keys, self.num_context
+        )
+
+    def context_only(self) -> KeyIntervals:
+        """The context intervals alone, over the T context keys (`split_attention.py` attends the slots)."""
+        empty = torch.full_like(self.own, -self.block_size)
+        return KeyIntervals(self.lo, self.hi, empty, self.block_size, self.num_context, self.num_context)
 
     def mask_mod(self) -> MaskMod:
         lo, hi, own, b = self.lo, self.hi, self.own, self.block_size
@@ -101,7 +119,7 @@ class KeyIntervals:
             return (torch.minimum(hi, end) - torch.maximum(lo, start)).clamp_min(0)
 
         counts = torch.zeros(q_tiles, kv_tiles, dtype=torch.int32, device=device)
-        context_tiles = -(-(self.num_keys - n * b) // kv_tile)
+        context_tiles = -(-self.num_context // kv_tile)
         if context_tiles:
             starts = torch.arange(context_tiles, device=device, dtype=torch.int32) * kv_tile
             seen = rows(overlap(lo[:, None], hi[:, None], starts, starts + kv_tile))
@@ -146,13 +164,16 @@ class TileLayout:
     q: tuple[torch.Tensor, torch.Tensor]  # the same by key tile, for the backward
     full_q: tuple[torch.Tensor, torch.Tensor]
     num_queries: int
-    tile: int
+    tile: Tile
+    context_only: bool = False  # keys: the T context tokens alone (own slots attended apart)
 
     @classmethod
-    def of(cls, batch: PackedBatch, tile: int = 128) -> TileLayout:
+    def of(cls, batch: PackedBatch, tile: int | Tile | None = None, context_only: bool = False) -> TileLayout:
+        tile = tile_shape(tile)
         intervals = KeyIntervals.of(batch)
-        counts = intervals.tile_counts(tile, tile)
-        full = counts == tile * tile
+        intervals = intervals.context_only() if context_only else intervals
+        counts = intervals.tile_counts(*tile)
+        full = counts == tile[0] * tile[1]
         partial = (counts > 0) & ~full
         # The backward walks the same tiles per key tile: the transposed matrices, ordered the same way
         # (what BlockMask.from_kv_blocks derives through a dense round trip).
@@ -164,13 +185,18 @@ class TileLayout:
             full_q=_ordered(full.t()),
             num_queries=batch.num_blocks * batch.block_size,
             tile=tile,
+            context_only=context_only,
         )
 
     def map(self, fn: TensorFn) -> TileLayout:
         """The same layout with `fn` applied to every tensor (`.to(device)`, `.pin_memory()`)."""
         pairs = {name: tuple(fn(t) for t in getattr(self, name)) for name in ("kv", "full_kv", "q", "full_q")}
         return TileLayout(
-            intervals=self.intervals.map(fn), num_queries=self.num_queries, tile=self.tile, **pairs
+            intervals=self.intervals.map(fn),
+            num_queries=self.num_queries,
+            tile=self.tile,
+            context_only=self.context_only,
+            **pairs,
         )
 
     def tensors(self) -> list[torch.Tensor]:
@@ -187,15 +213,18 @@ class TileLayout:
             *self.full_kv,
             *self.q,
             *self.full_q,
-            (self.tile, self.tile),
+            self.tile,
             self.intervals.mask_mod(),
         )
 
 
-def layout_block_mask(batch: PackedBatch, tile: int = 128) -> object:
-    """The BlockMask of `batch`: from the layout it carries when that has this tile size, else built here
-    (on the batch's device)."""
+def layout_block_mask(
+    batch: PackedBatch, tile: int | Tile | None = None, context_only: bool = False
+) -> object:
+    """The BlockMask of `batch`: from the layout it carries when that has this tile shape and key range,
+    else built here (on the batch's device)."""
+    tile = tile_shape(tile)
     layout = batch.tile_layout
-    if layout is None or layout.tile != tile:
-        layout = TileLayout.of(batch, tile)
+    if layout is None or layout.tile != tile or layout.context_only != context_only:
+        layout = TileLayout.of(batch, tile, context_only)
     return layout.block_mask()

@@ -83,9 +83,11 @@ class PackedBatch:
             self.tile_layout.tensors() if self.tile_layout is not None else []
         )
 
-    def with_tile_layout(self, tile: int = 128) -> PackedBatch:
+    def with_tile_layout(
+        self, tile: int | tuple[int, int] | None = None, context_only: bool = False
+    ) -> PackedBatch:
         """This batch carrying its FlexAttention tiles (`block_mask.TileLayout`), built where it is."""
-        return replace(self, tile_layout=TileLayout.of(self, tile))
+        return replace(self, tile_layout=TileLayout.of(self, tile, context_only))
 
     def _map(self, fn: Any) -> PackedBatch:
         return PackedBatch(**{f.name: _maybe(fn, getattr(self, f.name)) for f in fields(self)})

@@ -54,6 +54,7 @@ class DataSpec:
     eval_samples: int = 128
     seed: int = 0
     attention: str = "auto"
+    split_own_slots: bool = False  # FlexAttention's tiles over the context keys only (`split_attention.py`)
     # loader only
     epochs: int = 1
     shuffle_window: int = 1024
@@ -98,6 +99,7 @@ class DataSpec:
             eval_samples=cfg.data.eval_samples,
             seed=cfg.seed,
             attention=cfg.attention,
+            split_own_slots=cfg.split_own_slots,
             epochs=cfg.optim.epochs,
             shuffle_window=cfg.data.shuffle_window,
             loader_threads=cfg.data.loader_threads,

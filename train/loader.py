@@ -209,7 +209,9 @@ class StreamingLoader:
             and flex_possible(batch, self.spec.attention)
             and not flex_failure("train")
         ):
-            batch = batch.with_tile_layout()  # here, not on the training thread (`block_mask.TileLayout`)
+            batch = batch.with_tile_layout(
+                context_only=self.spec.split_own_slots
+            )  # here, not on the training thread (`block_mask.TileLayout`)
         # On CUDA the copy thread dequantizes fp8 batches on the GPU; elsewhere it happens here.
         batch = batch.pin_memory() if self.device.type == "cuda" else batch.dequantized()
         rows = [s.row for s in samples] if loss_scale else []

@@ -11,7 +11,7 @@ Public API (stable):
     FlexMask(block_mask).attend(q, k, v, scale)             FlexAttention (compiled on CUDA), no dense S x S
         FlexMask.from_batch(batch)   BlockMask read off the pack layout (`block_mask.py`): no compile, no sync
         FlexMask.from_rule(batch)    the same BlockMask from create_block_mask over `mask_mod_for` (reference)
-    build_attention_mask(batch, backend="auto") -> DenseMask | FlexMask   (see `choose_backend`)
+    build_attention_mask(batch, backend="auto", split=False) -> DenseMask | FlexMask   (see `choose_backend`)
     choose_backend(batch, backend="auto") -> "dense" | "flex"   the rule "auto" follows
     flex_possible(batch, backend="auto") -> bool           FlexAttention may serve it on a GPU (tiles ahead)
     with flex_scope("walk"): ...   an "auto" fallback inside is the scope's alone (training keeps its kernel)
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from .block_mask import KeyIntervals, layout_block_mask
 from .compiled import compile_backward_now
 from .config import ATTENTION_CHOICES
+from .split_attention import split_attention
 
 if TYPE_CHECKING:
     from .blocks import PackedBatch
@@ -116,6 +117,7 @@ class DenseMask:
 
 
 _compiled_flex: Callable[..., torch.Tensor] | None = None
+_compiled_split: Callable[..., torch.Tensor] | None = None
 # Why FlexAttention failed in this process, per scope ("auto" then uses SDPA there for the rest of the run).
 # Scopes keep a failure where it happened: the decode walk's masks change shape with every sample, and
 # Inductor has failed to lower some of them (H200, torch 2.11) while training's shapes compiled fine; a walk
@@ -147,6 +149,38 @@ def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
     return _compiled_flex
 
 
+def _split_eager(*args: object) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return split_attention(flex_attention, *args)  # type: ignore[arg-type]
+
+
+def _split_attention(device: torch.device) -> Callable[..., torch.Tensor]:
+    """`split_attention` with FlexAttention, compiled as one function on CUDA (merge and slots fused)."""
+    if device.type != "cuda":
+        return _split_eager
+    global _compiled_split
+    if _compiled_split is None:
+        log.info("compiling FlexAttention with the own-slot split (the first steps take longer)")
+        _compiled_split = torch.compile(_split_eager)
+    return _compiled_split
+
+
+@dataclass(frozen=True, slots=True)
+class OwnSlots:
+    """What the split needs beside the context's BlockMask: where the slots start in k/v (T), B, and which
+    query rows belong to real blocks."""
+
+    num_context: int
+    block_size: int
+    real_rows: torch.Tensor  # [M] bool
+
+    @classmethod
+    def of(cls, batch: PackedBatch) -> OwnSlots:
+        real = (batch.block_seq >= 0).repeat_interleave(batch.block_size)
+        return cls(batch.num_context_tokens, batch.block_size, real)
+
+
 def _disable_flex(exc: BaseException) -> None:
     detail = (str(exc).strip().splitlines() or [""])[0][:300]
     scope = _scope.get()
@@ -172,19 +206,31 @@ class FlexMask:
 
     block_mask: object  # torch.nn.attention.flex_attention.BlockMask
     fallback_batch: PackedBatch | None = None
+    own_slots: OwnSlots | None = None  # set: `block_mask` covers the context keys only (the split)
     _dense: DenseMask | None = field(default=None, init=False, repr=False)
 
     @classmethod
-    def from_batch(cls, batch: PackedBatch, block: int = 128, *, fallback_to_dense: bool = False) -> FlexMask:
+    def from_batch(
+        cls,
+        batch: PackedBatch,
+        block: int | tuple[int, int] | None = None,
+        *,
+        fallback_to_dense: bool = False,
+        split: bool = False,
+    ) -> FlexMask:
         """The BlockMask from the pack's layout: the tiles the batch carries (`PackedBatch.tile_layout`), else
-        built here (a few small kernels on the batch's device)."""
+        built here (a few small kernels on the batch's device). `split`: over the context keys only, the own
+        slots attended apart (`split_attention.py`)."""
         return cls(
-            block_mask=layout_block_mask(batch, block),
+            block_mask=layout_block_mask(batch, block, context_only=split),
             fallback_batch=batch if fallback_to_dense else None,
+            own_slots=OwnSlots.of(batch) if split else None,
         )
 
     @classmethod
-    def from_rule(cls, batch: PackedBatch, block: int = 128, *, fallback_to_dense: bool = False) -> FlexMask:
+    def from_rule(
+        cls, batch: PackedBatch, block: int | tuple[int, int] = 128, *, fallback_to_dense: bool = False
+    ) -> FlexMask:
         """The BlockMask from create_block_mask evaluating `mask_mod_for` on every pair (compiled on CUDA)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -219,6 +265,12 @@ class FlexMask:
         return self._dense.attend(q, k, v, scale)
 
     def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.own_slots is not None:
+            t, own = self.own_slots.num_context, self.own_slots
+            return _split_attention(q.device)(
+                q, k[:, :, :t], v[:, :, :t], k[:, :, t:], v[:, :, t:], self.block_mask, scale, own.block_size,
+                own.real_rows,
+            )  # fmt: skip
         fn = _flex_attention(q.device)
         return fn(q, k, v, block_mask=self.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -259,16 +311,17 @@ def flex_possible(batch: PackedBatch, backend: Literal["auto", "dense", "flex"] 
 
 
 def build_attention_mask(
-    batch: PackedBatch, backend: Literal["auto", "dense", "flex"] = "auto"
+    batch: PackedBatch, backend: Literal["auto", "dense", "flex"] = "auto", *, split: bool = False
 ) -> DenseMask | FlexMask:
     """One mask per batch, shared by every layer and head. "flex" is strict (errors propagate); FlexAttention
-    chosen by "auto" falls back to dense SDPA, once and with a warning, if it fails to compile or run."""
+    chosen by "auto" falls back to dense SDPA, once and with a warning, if it fails to compile or run.
+    `split`: FlexAttention over the context keys only, the own slots apart (`split_attention.py`)."""
     if choose_backend(batch, backend) == "dense":
         return DenseMask.from_batch(batch)
     if backend == "flex":
-        return FlexMask.from_batch(batch)
+        return FlexMask.from_batch(batch, split=split)
     try:  # on CUDA the BlockMask is built by a compiled function too
-        return FlexMask.from_batch(batch, fallback_to_dense=True)
+        return FlexMask.from_batch(batch, fallback_to_dense=True, split=split)
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:

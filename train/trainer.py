@@ -211,7 +211,7 @@ class Trainer:
         for i, loaded in enumerate(micro):
             batch = loaded.wait()
             with no_sync_unless(self.ddp_model, i == len(micro) - 1), self.autocast:
-                attn_mask = build_attention_mask(batch, cfg.attention)
+                attn_mask = build_attention_mask(batch, cfg.attention, split=cfg.split_own_slots)
                 loss, stats = drafter_loss(
                     self.ddp_model,
                     self.frozen,

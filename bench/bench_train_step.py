@@ -16,7 +16,9 @@ section is skipped once --time-budget seconds have passed; --json is rewritten a
     small  a ~5M-parameter drafter (hidden 384, 3 layers, vocab 4096), packs of 8192 tokens as the loader
            builds them: steps/s before and after (overhead-bound: launches, host syncs, mask building);
            `--small-budgets 8192,16384 --small-lengths 256,384 --small-layers 5 --small-variants new` is the
-           quality benchmark's full size (rows of 256-384 tokens, ~5k blocks a pack) at two pack sizes
+           quality benchmark's full size (rows of 256-384 tokens, ~6k blocks a pack) at two pack sizes;
+           `--small-variants split,new` compares `--split-own-slots`; `--flex-tiles 64x64` other BlockMask
+           tiles (under 128 they need `--flex-compile-mode max-autotune-no-cudagraphs` on sm90: BENCHMARKS.md)
     first  time to the first step of the new step in a fresh process: cold (empty Inductor cache) and warm
     curve  200 steps of the tiny config (1 layer, B=4, 8 anchors, 256-token packs), before vs new, same
            seed: the loss curves and their largest difference
@@ -234,6 +236,12 @@ def section_small(args: argparse.Namespace, results: dict, device: torch.device)
     for tile in args.flex_tiles:
         block_mask.DEFAULT_TILE = tile  # read when each step builds its BlockMask
         mask_module._flex_failures.clear()  # a shape that failed must not send the next one to SDPA
+        if args.flex_compile_mode and device.type == "cuda":  # fresh compiled kernels per tile, in this mode
+            from torch.nn.attention.flex_attention import flex_attention
+
+            mode = args.flex_compile_mode
+            mask_module._compiled_flex = torch.compile(flex_attention, mode=mode)
+            mask_module._compiled_split = torch.compile(mask_module._split_eager, mode=mode)
         for budget in (512,) if args.tiny else args.small_budgets:
             _small_budget(args, results, device, budget, low, high)
     block_mask.DEFAULT_TILE = DEFAULT_TILE
@@ -370,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--small-layers", type=int, default=3, help="[small]: drafter layers")
     parser.add_argument("--small-variants", default="before,new", help="[small]: step variants")
+    parser.add_argument(
+        "--flex-compile-mode",
+        help="[small]: torch.compile mode of FlexAttention (e.g. max-autotune-no-cudagraphs: autotuned kernel "
+        "tiles, which tiles under 128 need on sm90)",
+    )
     parser.add_argument(
         "--flex-tiles",
         default="128x128",

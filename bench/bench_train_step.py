@@ -235,16 +235,12 @@ def section_small(args: argparse.Namespace, results: dict, device: torch.device)
     low, high = (100, 250) if args.tiny else args.small_lengths
     for tile in args.flex_tiles:
         block_mask.DEFAULT_TILE = tile  # read when each step builds its BlockMask
-        mask_module._flex_failures.clear()  # a shape that failed must not send the next one to SDPA
-        if args.flex_compile_mode and device.type == "cuda":  # fresh compiled kernels per tile, in this mode
-            from torch.nn.attention.flex_attention import flex_attention
-
-            mode = args.flex_compile_mode
-            mask_module._compiled_flex = torch.compile(flex_attention, mode=mode)
-            mask_module._compiled_split = torch.compile(mask_module._split_eager, mode=mode)
+        # fresh kernels per tile, in the asked mode; a shape that failed must not send the next one to SDPA
+        mask_module.reset_flex(args.flex_compile_mode)
         for budget in (512,) if args.tiny else args.small_budgets:
             _small_budget(args, results, device, budget, low, high)
     block_mask.DEFAULT_TILE = DEFAULT_TILE
+    mask_module.reset_flex()
 
 
 def _small_budget(

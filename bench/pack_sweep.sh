@@ -4,7 +4,9 @@
 #   source bench/device_env.sh
 #   bash bench/pack_sweep.sh W DEST SECONDS "8192 16384 32768" [bench_quality.py flags...]
 #
-# e.g. `... /tmp/w $OUT/logs 125 "8192 16384 32768" --target code --size full --codecs fp8 --unpack .qc`.
+# e.g. `... /tmp/w $OUT/logs 200 "8192 16384" --target code --size full --codecs fp8 --unpack .qc` (120 s a budget
+# ended before a steady rate: start-up and two FlexAttention recompiles take ~60-75 s). The sweep's own
+# --train-args (the budget) replace any given here.
 # Extracts the cache once (`--stop-after extract`), then trains each budget alone for SECONDS (the run is
 # stopped there: speed, not a drafter) under TORCH_LOGS=recompiles, the Inductor cache shared, so a later
 # budget starts warm. DEST gets sweep.txt (budget, seconds, step, every 5 s), gpu.txt (nvidia-smi every 5 s),

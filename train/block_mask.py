@@ -204,7 +204,8 @@ class TileLayout:
         return [i.lo, i.hi, i.own, *self.kv, *self.full_kv, *self.q, *self.full_q]
 
     def block_mask(self) -> object:
-        """FlexAttention's BlockMask (queries: the N*B block slots; keys: T context tokens then the slots)."""
+        """FlexAttention's BlockMask (queries: the N*B block slots; keys: T context tokens then the slots, or
+        the context tokens alone when `context_only`)."""
         from torch.nn.attention.flex_attention import BlockMask
 
         return BlockMask(

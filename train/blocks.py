@@ -36,7 +36,7 @@ import torch
 from dflash.shards import Fp8Block, dequantize_fp8
 from dflash.shards.qcodec import QBlock, dequantize_q
 
-from .block_mask import TileLayout
+from .block_mask import Tile, TileLayout
 from .config import default_gamma
 from .lookup import lookup_accepted
 
@@ -83,9 +83,7 @@ class PackedBatch:
             self.tile_layout.tensors() if self.tile_layout is not None else []
         )
 
-    def with_tile_layout(
-        self, tile: int | tuple[int, int] | None = None, context_only: bool = False
-    ) -> PackedBatch:
+    def with_tile_layout(self, tile: int | Tile | None = None, context_only: bool = False) -> PackedBatch:
         """This batch carrying its FlexAttention tiles (`block_mask.TileLayout`), built where it is."""
         return replace(self, tile_layout=TileLayout.of(self, tile, context_only))
 

@@ -203,15 +203,14 @@ class StreamingLoader:
             loss_scale = 0.0
             samples = [self._filler()]
         batch = self.spec.pack(samples, generator=anchor_generator(self.spec.seed, job.epoch, job.index))
-        # (not once training gave FlexAttention up: its dense fallback never reads them)
+        # FlexAttention's tiles here, not on the training thread (`block_mask.TileLayout`); not once training
+        # gave FlexAttention up: its dense fallback never reads them
         if (
             self.device.type == "cuda"
             and flex_possible(batch, self.spec.attention)
             and not flex_failure("train")
         ):
-            batch = batch.with_tile_layout(
-                context_only=self.spec.split_own_slots
-            )  # here, not on the training thread (`block_mask.TileLayout`)
+            batch = batch.with_tile_layout(context_only=self.spec.split_own_slots)
         # On CUDA the copy thread dequantizes fp8 batches on the GPU; elsewhere it happens here.
         batch = batch.pin_memory() if self.device.type == "cuda" else batch.dequantized()
         rows = [s.row for s in samples] if loss_scale else []

@@ -10,12 +10,14 @@ Public API (stable):
     DenseMask(allowed).attend(q, k, v, scale)               SDPA with a boolean mask
     FlexMask(block_mask).attend(q, k, v, scale)             FlexAttention (compiled on CUDA), no dense S x S
         FlexMask.from_batch(batch)   BlockMask read off the pack layout (`block_mask.py`): no compile, no sync
+        FlexMask.from_batch(batch, split=True)   over the context keys only, the own slots apart
         FlexMask.from_rule(batch)    the same BlockMask from create_block_mask over `mask_mod_for` (reference)
     build_attention_mask(batch, backend="auto", split=False) -> DenseMask | FlexMask   (see `choose_backend`)
     choose_backend(batch, backend="auto") -> "dense" | "flex"   the rule "auto" follows
     flex_possible(batch, backend="auto") -> bool           FlexAttention may serve it on a GPU (tiles ahead)
     with flex_scope("walk"): ...   an "auto" fallback inside is the scope's alone (training keeps its kernel)
         visible_pairs(batch) -> int                             allowed (query, key) pairs (for FLOP counts)
+    reset_flex(compile_mode=None)   forget compiled FlexAttention and its failures (benchmarks)
 q: [1, Hq, M, D], k/v: [1, Hkv, T+M, D] (GQA handled inside), output [1, Hq, M, D].
 """
 
@@ -116,8 +118,9 @@ class DenseMask:
         return out.masked_fill(self.empty_rows[None, None, :, None], 0.0)
 
 
-_compiled_flex: Callable[..., torch.Tensor] | None = None
-_compiled_split: Callable[..., torch.Tensor] | None = None
+# FlexAttention's functions compiled in this process (on CUDA), and the torch.compile mode they get.
+_compiled: dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {}
+_compile_mode: str | None = None
 # Why FlexAttention failed in this process, per scope ("auto" then uses SDPA there for the rest of the run).
 # Scopes keep a failure where it happened: the decode walk's masks change shape with every sample, and
 # Inductor has failed to lower some of them (H200, torch 2.11) while training's shapes compiled fine; a walk
@@ -137,33 +140,32 @@ def flex_scope(name: str) -> Iterator[None]:
         _scope.reset(token)
 
 
-def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
-    from torch.nn.attention.flex_attention import flex_attention
-
+def _on_device(
+    fn: Callable[..., torch.Tensor], device: torch.device, what: str
+) -> Callable[..., torch.Tensor]:
+    """`fn` compiled once per process on CUDA; eager elsewhere (the reference path of the CPU tests)."""
     if device.type != "cuda":
-        return flex_attention  # eager reference path (tests on CPU)
-    global _compiled_flex
-    if _compiled_flex is None:
-        log.info("compiling FlexAttention (the first steps take longer)")
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
+        return fn
+    if fn not in _compiled:
+        log.info("compiling %s (the first steps take longer)", what)
+        _compiled[fn] = torch.compile(fn, mode=_compile_mode)
+    return _compiled[fn]
 
 
 def _split_eager(*args: object) -> torch.Tensor:
+    """`split_attention` with FlexAttention: compiled as one function, the slots and merge fuse around it."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return split_attention(flex_attention, *args)  # type: ignore[arg-type]
 
 
-def _split_attention(device: torch.device) -> Callable[..., torch.Tensor]:
-    """`split_attention` with FlexAttention, compiled as one function on CUDA (merge and slots fused)."""
-    if device.type != "cuda":
-        return _split_eager
-    global _compiled_split
-    if _compiled_split is None:
-        log.info("compiling FlexAttention with the own-slot split (the first steps take longer)")
-        _compiled_split = torch.compile(_split_eager)
-    return _compiled_split
+def reset_flex(compile_mode: str | None = None) -> None:
+    """Forget this process's compiled FlexAttention functions and failures; later ones compile in
+    `compile_mode` (None: torch.compile's default). For benchmarks comparing kernels and tiles in one process."""
+    global _compile_mode
+    _compiled.clear()
+    _flex_failures.clear()
+    _compile_mode = compile_mode
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,13 +267,16 @@ class FlexMask:
         return self._dense.attend(q, k, v, scale)
 
     def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        if self.own_slots is not None:
-            t, own = self.own_slots.num_context, self.own_slots
-            return _split_attention(q.device)(
+        own = self.own_slots
+        if own is not None:
+            t = own.num_context
+            return _on_device(_split_eager, q.device, "FlexAttention with the own slots apart")(
                 q, k[:, :, :t], v[:, :, :t], k[:, :, t:], v[:, :, t:], self.block_mask, scale, own.block_size,
                 own.real_rows,
             )  # fmt: skip
-        fn = _flex_attention(q.device)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn = _on_device(flex_attention, q.device, "FlexAttention")
         return fn(q, k, v, block_mask=self.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
     def tile_density(self) -> float:

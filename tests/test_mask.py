@@ -210,6 +210,8 @@ def flex_state(monkeypatch):
 
 
 def _failing_flex(calls: list, exc: BaseException):
+    import torch._functorch.config  # not loaded by `import torch`; a test run alone has not loaded it yet
+
     def fail(*_args, **_kwargs):
         calls.append(torch._functorch.config.force_non_lazy_backward_lowering)
         raise exc

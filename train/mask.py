@@ -152,6 +152,12 @@ def _on_device(
     return _compiled[fn]
 
 
+def _flex_attention(device: torch.device) -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return _on_device(flex_attention, device, "FlexAttention")
+
+
 def _split_eager(*args: object) -> torch.Tensor:
     """`split_attention` with FlexAttention: compiled as one function, the slots and merge fuse around it."""
     from torch.nn.attention.flex_attention import flex_attention
@@ -274,9 +280,7 @@ class FlexMask:
                 q, k[:, :, :t], v[:, :, :t], k[:, :, t:], v[:, :, t:], self.block_mask, scale, own.block_size,
                 own.real_rows,
             )  # fmt: skip
-        from torch.nn.attention.flex_attention import flex_attention
-
-        fn = _on_device(flex_attention, q.device, "FlexAttention")
+        fn = _flex_attention(q.device)
         return fn(q, k, v, block_mask=self.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
     def tile_density(self) -> float:

@@ -318,3 +318,19 @@ def test_attention_setting_reaches_the_train_config(tmp_path) -> None:
     assert build_config(["--cache", "c", "--out", "o"]).attention == "auto"
     with pytest.raises(ValueError, match="attention='sparse'"):
         config_from_flat({"cache": "c", "out": "o", "attention": "sparse"})
+
+
+def test_the_forward_tile_reaches_flex_on_cuda_only_where_it_divides_the_mask_tile(monkeypatch) -> None:
+    monkeypatch.setattr(mask_module, "_forward_tile", mask_module.FORWARD_TILE)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    rows, keys = mask_module.FORWARD_TILE
+    tile = SimpleNamespace(BLOCK_SIZE=(2 * rows, keys))
+    assert mask_module.kernel_options(tile, cuda) == {"BLOCK_M": rows, "BLOCK_N": keys}
+    assert mask_module.kernel_options(tile, cpu) is None  # CPU kernels take no Triton tiles
+    # a kernel tile must divide the BlockMask's: smaller masks (tests, --flex-tiles) keep Inductor's default
+    assert mask_module.kernel_options(SimpleNamespace(BLOCK_SIZE=(rows // 2, keys)), cuda) is None
+    assert mask_module.kernel_options(SimpleNamespace(BLOCK_SIZE=(rows, keys + 1)), cuda) is None
+    mask_module.reset_flex(forward_tile=None)
+    assert mask_module.kernel_options(tile, cuda) is None
+    mask_module.reset_flex()
+    assert mask_module.kernel_options(tile, cuda) == {"BLOCK_M": rows, "BLOCK_N": keys}

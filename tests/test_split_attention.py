@@ -35,9 +35,10 @@ def _grads(out, inputs, seed):
     return torch.autograd.grad((out * weights).sum(), inputs)
 
 
-def _dense_flex(q, k, v, block_mask, scale, enable_gqa, return_aux):
+def _dense_flex(q, k, v, block_mask, scale, enable_gqa, return_aux, kernel_options=None):
     """FlexAttention's contract evaluated densely (CPU FlexAttention has no backward): the output and the
-    natural-log lse over the keys `block_mask.mask_mod` allows; a row that sees nothing gives 0 and -inf."""
+    natural-log lse over the keys `block_mask.mask_mod` allows; a row that sees nothing gives 0 and -inf.
+    `kernel_options` (tiles, warps) choose how a GPU computes it, not what."""
     zero = torch.zeros((), dtype=torch.long)
     allowed = block_mask.mask_mod(zero, zero, torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2]))
     groups = q.shape[1] // k.shape[1]

@@ -17,7 +17,8 @@ Public API (stable):
     flex_possible(batch, backend="auto") -> bool           FlexAttention may serve it on a GPU (tiles ahead)
     with flex_scope("walk"): ...   an "auto" fallback inside is the scope's alone (training keeps its kernel)
         visible_pairs(batch) -> int                             allowed (query, key) pairs (for FLOP counts)
-    reset_flex(compile_mode=None)   forget compiled FlexAttention and its failures (benchmarks)
+    reset_flex(compile_mode=None, forward_tile=FORWARD_TILE)   forget compiled FlexAttention (benchmarks)
+    kernel_options(block_mask, device) -> dict | None        the forward tile FlexAttention gets on CUDA
 q: [1, Hq, M, D], k/v: [1, Hkv, T+M, D] (GQA handled inside), output [1, Hq, M, D].
 """
 
@@ -121,6 +122,13 @@ class DenseMask:
 # FlexAttention's functions compiled in this process (on CUDA), and the torch.compile mode they get.
 _compiled: dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {}
 _compile_mode: str | None = None
+# The forward kernel's tile (query rows, keys) on CUDA, a part of the BlockMask's tile. Inductor's default for
+# head dim 64 on an H200 (128 x 128, 4 warps) took 2.5 ms a layer forward on the full size's pack, 64 x 64
+# 0.67 ms and max-autotune's pick, 64 x 128, 0.59 ms (`bench/bench_attention.py`, BENCHMARKS.md): a query here
+# sees ~200 keys, so each program's loop over key tiles is short, and halving its rows doubles the programs
+# that share the GPU. The backward's default was within 15% of its autotuned best and is left alone.
+FORWARD_TILE: tuple[int, int] | None = (64, 128)
+_forward_tile = FORWARD_TILE
 # Why FlexAttention failed in this process, per scope ("auto" then uses SDPA there for the rest of the run).
 # Scopes keep a failure where it happened: the decode walk's masks change shape with every sample, and
 # Inductor has failed to lower some of them (H200, torch 2.11) while training's shapes compiled fine; a walk
@@ -165,13 +173,25 @@ def _split_eager(*args: object) -> torch.Tensor:
     return split_attention(flex_attention, *args)  # type: ignore[arg-type]
 
 
-def reset_flex(compile_mode: str | None = None) -> None:
+def reset_flex(compile_mode: str | None = None, forward_tile: tuple[int, int] | None = FORWARD_TILE) -> None:
     """Forget this process's compiled FlexAttention functions and failures; later ones compile in
-    `compile_mode` (None: torch.compile's default). For benchmarks comparing kernels and tiles in one process."""
-    global _compile_mode
+    `compile_mode` (None: torch.compile's default) with `forward_tile` (None: Inductor's). For benchmarks
+    comparing kernels and tiles in one process."""
+    global _compile_mode, _forward_tile
     _compiled.clear()
     _flex_failures.clear()
-    _compile_mode = compile_mode
+    _compile_mode, _forward_tile = compile_mode, forward_tile
+
+
+def kernel_options(block_mask: object, device: torch.device) -> dict[str, int] | None:
+    """FlexAttention's kernel_options for `block_mask` on `device`: `FORWARD_TILE` on CUDA where it divides
+    the mask's tile (a kernel tile must), else None (the defaults)."""
+    if device.type != "cuda" or _forward_tile is None:
+        return None
+    (rows, keys), (q_tile, kv_tile) = _forward_tile, block_mask.BLOCK_SIZE  # type: ignore[attr-defined]
+    if q_tile % rows or kv_tile % keys:
+        return None
+    return {"BLOCK_M": rows, "BLOCK_N": keys}
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,15 +293,18 @@ class FlexMask:
         return self._dense.attend(q, k, v, scale)
 
     def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        own = self.own_slots
+        own, options = self.own_slots, kernel_options(self.block_mask, q.device)
         if own is not None:
             t = own.num_context
             return _on_device(_split_eager, q.device, "FlexAttention with the own slots apart")(
                 q, k[:, :, :t], v[:, :, :t], k[:, :, t:], v[:, :, t:], self.block_mask, scale, own.block_size,
-                own.real_rows,
+                own.real_rows, options,
             )  # fmt: skip
         fn = _flex_attention(q.device)
-        return fn(q, k, v, block_mask=self.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return fn(
+            q, k, v, block_mask=self.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+            kernel_options=options,
+        )  # fmt: skip
 
     def tile_density(self) -> float:
         """Fraction of (query tile, key tile) pairs the kernel visits (BlockMask.sparsity() is the rest)."""

@@ -14,7 +14,8 @@ against dense SDPA over the rule). Padding blocks see nothing and output 0, as i
 Public API:
     own_block_attention(q, k, v, scale, block_size, real_rows) -> (out [1, H, M, D], lse [1, H, M]), fp32 at least
     merge_softmaxes(out_a, lse_a, out_b, lse_b) -> [1, H, M, D] (fp32 at least)  rows where both lse are -inf -> 0
-    split_attention(flex, q, k_ctx, v_ctx, k_own, v_own, block_mask, scale, block_size, real_rows) -> [1, H, M, D]
+    split_attention(flex, q, k_ctx, v_ctx, k_own, v_own, block_mask, scale, block_size, real_rows,
+                    kernel_options=None) -> [1, H, M, D]
 """
 
 from __future__ import annotations
@@ -76,9 +77,10 @@ def split_attention(
     scale: float,
     block_size: int,
     real_rows: torch.Tensor,
+    kernel_options: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """`flex` (FlexAttention, compiled or not) over the context with `block_mask` (context intervals only),
-    the own slots densely, merged; in q's dtype."""
+    the own slots densely, merged; in q's dtype. `kernel_options` go to `flex` as they are."""
     from torch.nn.attention.flex_attention import AuxRequest
 
     out_ctx, aux = flex(
@@ -89,6 +91,7 @@ def split_attention(
         scale=scale,
         enable_gqa=q.shape[1] != k_ctx.shape[1],
         return_aux=AuxRequest(lse=True),
+        kernel_options=kernel_options,
     )
     out_own, lse_own = own_block_attention(q, k_own, v_own, scale, block_size, real_rows)
     return merge_softmaxes(out_ctx, aux.lse, out_own, lse_own).to(q.dtype)

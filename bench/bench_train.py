@@ -75,10 +75,11 @@ def write_cache(
     device: torch.device,
     threads: int,
     seed: int = 0,
+    layers: list[int] | None = None,
 ) -> dict[str, Any]:
-    """A complete cache; returns write stats."""
+    """A complete cache of `layers` (default: DFlash's rule for 5 drafter layers); returns write stats."""
     h, vocab = target["hidden_size"], target["vocab_size"]
-    layers = default_layer_ids(target["num_hidden_layers"], 5)
+    layers = layers or default_layer_ids(target["num_hidden_layers"], 5)
     rng = np.random.default_rng(seed)
     pool_len = 2 * max_len
     pool = llm_like_layers(pool_len, h, len(layers), seed=seed)  # each sample is a random window of it
@@ -308,7 +309,7 @@ def main() -> None:
     p.add_argument("--draft-layers", type=int, help="drafter layers (default: the shape's; 5, 3 for --small)")
     p.add_argument(
         "--feature-layers",
-        help="cached target layers the drafter reads, e.g. 1,3,5,7,9 (default: DFlash's rule)",
+        help="target layers cached and read, e.g. 0,1,2,3,4,5,6,7 as the quality benchmark (default: DFlash's rule)",
     )
     p.add_argument("--codecs", default="lossless,fp8")
     p.add_argument("--samples", type=int, default=None)
@@ -361,6 +362,7 @@ def main() -> None:
                 per_shard=32,
                 device=device,
                 threads=16,
+                layers=[int(x) for x in args.feature_layers.split(",")] if args.feature_layers else None,
             )
             cfg, drafter = train_config(
                 str(cache), str(work / f"run_{codec}"), target, shape=shape, device=device, budget=budget,

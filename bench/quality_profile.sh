@@ -9,8 +9,9 @@
 #
 # e.g. `... /tmp/w $OUT/logs 545 400 --target code --size full --codecs fp8 --fractions 1 --seeds 1 --parallel 1`
 # (add `--unpack DIR` to start from a packed target and rows, `--pack $OUT/pack` to bring them back).
-# DEST gets progress.txt (time, step, phase), spy_raw.txt (30 s at 100 Hz, thread ids, idle frames: read it with
-# `python bench/spy_summary.py`), bench.tail (the benchmark's and the run's log tails), metrics.jsonl, and the
+# DEST gets progress.txt (time, step, phase), spy_raw.txt (30 s at 100 Hz, thread ids, idle frames) and
+# spy_gil.txt (the next 30 s, GIL holders only: read both with `python bench/spy_summary.py spy_raw.txt --gil
+# spy_gil.txt`), bench.tail (the benchmark's and the run's log tails), metrics.jsonl, and the
 # target's and rows' digests in progress.txt. Ends after SECONDS, leaving the run to the end of the call.
 set -u
 work=${1:?work folder}
@@ -30,6 +31,7 @@ while [ $((SECONDS - start)) -lt "$seconds" ]; do
     pid=$(pgrep -f "dflash.train.cli" | head -n 1)
     spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
     "$spy" record -p "$pid" -d 30 -r 100 -f raw -t --idle -o "$dest/spy_raw.txt" >"$dest/spy.txt" 2>&1
+    "$spy" record -p "$pid" -d 30 -r 100 -f raw -t --gil -o "$dest/spy_gil.txt" >>"$dest/spy.txt" 2>&1
     spied=1
   fi
   sleep 10

@@ -1,12 +1,18 @@
 """Where a training process's host threads spend their time, from a py-spy profile of a running `dflash-train`:
 
     py-spy record -p PID -d 30 -r 100 -f raw -t --idle -o spy_raw.txt    # on the GPU box (bench/quality_profile.sh)
-    python bench/spy_summary.py spy_raw.txt
+    py-spy record -p PID -d 30 -r 100 -f raw -t --gil -o spy_gil.txt     # right after: GIL holders only
+    python bench/spy_summary.py spy_raw.txt [--gil spy_gil.txt]
 
 A small drafter's step is host-bound on an H200 (the GPU waits for launches), so the training thread's
 Python time, not kernel time, sets steps/s: this splits that thread's samples by what the step was doing
 (the first matching frame, innermost first, decides) and shows how busy every other thread was. Input: py-spy's
 raw format with thread ids (`-t`): one line per distinct stack, `thread (TID): NAME;frame;...;frame COUNT`.
+
+py-spy counts a thread blocked inside a C call (a CUDA sync, a lock) as busy; `--gil` tells the two apart: a
+profile taken with `--gil` holds only samples of the thread holding the GIL, so per thread its count over the
+`--idle` profile's (every thread, every tick; same length and rate) is the share of time that thread held the
+GIL, and the shares' sum is how busy the GIL itself was: near 100%, the Python threads wait for one another.
 """
 
 from __future__ import annotations
@@ -69,10 +75,24 @@ def summarize(stacks: list[tuple[str, list[str], int]], main: str = "MainThread"
     return {"threads": busy, "total": total, "main": parts}
 
 
+def gil_shares(
+    every: list[tuple[str, list[str], int]], holding: list[tuple[str, list[str], int]]
+) -> dict[str, float]:
+    """{thread: share of its ticks holding the GIL}: samples in the `--gil` profile over samples in the `--idle`
+    one (every thread each tick), threads matched by py-spy's label (id and name)."""
+    ticks, held = Counter(), Counter()
+    for thread, _, n in every:
+        ticks[thread] += n
+    for thread, _, n in holding:
+        held[thread] += n
+    return {thread: held[thread] / n for thread, n in ticks.items() if n}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("raw", type=Path)
     p.add_argument("--main", default="MainThread", help="the training thread's name")
+    p.add_argument("--gil", type=Path, help="a `--gil` profile taken right after `raw`, same length and rate")
     args = p.parse_args()
     s = summarize(read_raw(args.raw), args.main)
     main_total = sum(s["main"].values()) or 1
@@ -82,6 +102,18 @@ def main() -> None:
     print("threads, share of samples busy (leaf frame not a wait):")
     for thread, n in s["total"].most_common():
         print(f"  {thread[:60]:60s} {100 * s['threads'][thread] / n:5.1f}%")
+    if args.gil:
+        every, holding = read_raw(args.raw), read_raw(args.gil)
+        shares = gil_shares(every, holding)
+        print("threads, share of ticks holding the GIL (the --gil profile over the --idle one):")
+        for thread, share in sorted(shares.items(), key=lambda kv: -kv[1]):
+            print(f"  {thread[:60]:60s} {100 * share:5.1f}%")
+        print(f"  {'the GIL busy (their sum)':60s} {100 * sum(shares.values()):5.1f}%")
+        held = summarize(holding, args.main)["main"]
+        total = sum(held.values()) or 1
+        print("training thread while it holds the GIL, by part of the step:")
+        for part, n in held.most_common():
+            print(f"  {part:38s} {100 * n / total:5.1f}%")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.spy_summary import part_of, read_raw, summarize
+from bench.spy_summary import gil_shares, part_of, read_raw, summarize
 
 RAW = """\
 thread (7): MainThread;fit (train/trainer.py:314);train_step (train/trainer.py:215);drafter_loss (train/loss.py:289);DFlashDrafter.forward (train/model.py:363);compile_wrapper (torch/_dynamo/eval_frame.py:1024);_compile (torch/_dynamo/convert_frame.py:729) 30
@@ -47,3 +47,21 @@ def test_a_stack_outside_every_part_is_other() -> None:
     assert (
         part_of(["f (train/loss.py:1)", "linear_cross_entropy (train/loss.py:206)"]) == "loss (lm_head + CE)"
     )
+
+
+def test_gil_shares_divide_each_threads_gil_samples_by_its_ticks(tmp_path: Path) -> None:
+    every = tmp_path / "spy_raw.txt"
+    every.write_text(RAW)
+    holding = tmp_path / "spy_gil.txt"
+    holding.write_text(
+        "thread (7): MainThread;fit (train/trainer.py:314);train_step (train/trainer.py:215) 48\n"
+        "thread (7): MainThread;fit (train/trainer.py:314) 12\n"
+        "thread (9): dflash-decode_0;_worker (concurrent/futures/thread.py:94) 30\n"
+    )
+    shares = gil_shares(read_raw(every), read_raw(holding))
+    # MainThread was sampled 120 times in the --idle profile and held the GIL in 60 of them
+    assert shares == {
+        "thread (7): MainThread": 0.5,
+        "thread (9): dflash-decode_0": 0.3,
+        "thread (11)": 0.0,
+    }

@@ -12,7 +12,8 @@
 # DEST gets progress.txt (time, step, phase), spy_raw.txt (30 s at 100 Hz, thread ids, idle frames) and
 # spy_gil.txt (the next 30 s, GIL holders only: read both with `python bench/spy_summary.py spy_raw.txt --gil
 # spy_gil.txt`), bench.tail (the benchmark's and the run's log tails), metrics.jsonl, and the
-# target's and rows' digests in progress.txt. Ends after SECONDS, leaving the run to the end of the call.
+# target's and rows' digests in progress.txt. Ends after SECONDS, leaving the run to the end of the call; the two
+# profiles take 60 s once STEP is reached, which may run past SECONDS: leave that much of the call's limit free.
 set -u
 work=${1:?work folder}
 dest=${2:?dest folder}

@@ -94,7 +94,8 @@ def main() -> None:
     p.add_argument("--main", default="MainThread", help="the training thread's name")
     p.add_argument("--gil", type=Path, help="a `--gil` profile taken right after `raw`, same length and rate")
     args = p.parse_args()
-    s = summarize(read_raw(args.raw), args.main)
+    every = read_raw(args.raw)
+    s = summarize(every, args.main)
     main_total = sum(s["main"].values()) or 1
     print("training thread, share of its samples by part of the step:")
     for part, n in s["main"].most_common():
@@ -103,7 +104,7 @@ def main() -> None:
     for thread, n in s["total"].most_common():
         print(f"  {thread[:60]:60s} {100 * s['threads'][thread] / n:5.1f}%")
     if args.gil:
-        every, holding = read_raw(args.raw), read_raw(args.gil)
+        holding = read_raw(args.gil)
         shares = gil_shares(every, holding)
         print("threads, share of ticks holding the GIL (the --gil profile over the --idle one):")
         for thread, share in sorted(shares.items(), key=lambda kv: -kv[1]):

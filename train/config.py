@@ -178,7 +178,8 @@ class TrainConfig:
     device: str = "auto"
     attention: str = "auto"
     # FlexAttention over the context keys only, each block's own slots attended apart (`split_attention.py`):
-    # same math, a 5-layer full-size step of the quality benchmark +7-9% on an H200 (BENCHMARKS.md)
+    # same math; +7-9% a step on an H200 against FlexAttention's default forward tile, -3% against the
+    # `mask.FORWARD_TILE` the trainer now uses (quality benchmark's 5-layer full-size step, BENCHMARKS.md)
     split_own_slots: bool = False
     compile: bool = True  # CUDA only: torch.compile the drafter's regions and loss epilogue (same math)
     eval_every: int = 500

@@ -123,11 +123,11 @@ class DenseMask:
 _compiled: dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {}
 _compile_mode: str | None = None
 # The forward kernel's tile (query rows, keys) on CUDA, a part of the BlockMask's tile. Inductor's default for
-# head dim 64 on an H200 (128 x 128, 4 warps) took 2.5 ms a layer forward on the full size's pack, 64 x 64
-# 0.67 ms and max-autotune's pick, 64 x 128, 0.59 ms (`bench/bench_attention.py`, BENCHMARKS.md): a query here
-# sees ~200 keys, so each program's loop over key tiles is short, and halving its rows doubles the programs
-# that share the GPU. The backward's default was within 15% of its autotuned best and is left alone.
-FORWARD_TILE: tuple[int, int] | None = (64, 128)
+# head dim 64 on an H200 (128 x 128, 4 warps) took 2.72 ms a layer forward on the full size's pack, 64 x 128
+# (max-autotune's pick) 0.99 ms (`bench/bench_attention.py`, BENCHMARKS.md): a query here sees ~200 keys, so
+# each program's loop over key tiles is short, and halving its rows doubles the programs that share the GPU.
+# The backward's default was within 15% of its autotuned best and is left alone.
+FORWARD_TILE: tuple[int, int] = (64, 128)
 _forward_tile = FORWARD_TILE
 # Why FlexAttention failed in this process, per scope ("auto" then uses SDPA there for the rest of the run).
 # Scopes keep a failure where it happened: the decode walk's masks change shape with every sample, and

@@ -181,14 +181,15 @@ def phase_data(work: Path, size: Size, tokenizer: Any, train_files: list, held_f
     return meta
 
 
-def phase_cache(work: Path, codec: str, device: str) -> Path:
+def phase_cache(work: Path, codec: str, device: str, token_budget: int = 16384) -> Path:
     """The cache of one codec, extracted from the target by the real `dflash-extract` CLI."""
     cache = work / f"cache-{codec}"
     manifest = cache / "manifest.json"
     if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
         return cache
     cmd = _python("dflash.extract.cli", "--target", str(work / "target"), "--dataset", str(work / "data" / "rows.arrow"),
-                  "--out", str(cache), "--codec", codec, "--layers", "all", "--device", device, "--no-compile")  # fmt: skip
+                  "--out", str(cache), "--codec", codec, "--layers", "all", "--device", device, "--no-compile",
+                  "--token-budget", str(token_budget))  # fmt: skip
     if device == "cpu":
         cmd += ["--dtype", "float32"]
     # in the work folder, so `--pack` carries it to the next machine (quality_pack.TRITON_CACHE says why)
@@ -339,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     extracted = list(dict.fromkeys([*codecs, scored_on]))
     extractor = ThreadPoolExecutor(len(extracted), thread_name_prefix="extract")
     caches = {
-        c: extractor.submit(timed, f"extract {c}", partial(phase_cache, work, c, args.device))
+        c: extractor.submit(
+            timed, f"extract {c}", partial(phase_cache, work, c, args.device, size.extract_token_budget)
+        )
         for c in extracted
     }
 

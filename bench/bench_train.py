@@ -49,7 +49,8 @@ from dflash.shards.manifest import target_info
 from dflash.shards.writer import ShardMeta
 from dflash.train import trainer as trainer_mod
 from dflash.train.config import paper_recipe
-from dflash.train.loader import StreamingLoader
+from dflash.train.data_spec import DataSpec
+from dflash.train.loader_procs import streaming_loader
 from dflash.train.mask import visible_pairs
 from dflash.train.metrics import read_metrics
 from dflash.train.model import DrafterConfig, flops_per_step
@@ -199,16 +200,15 @@ def loader_ceiling(
     """Loader alone (no model): sequence tokens/s delivered on the device, plus batch statistics."""
     from dflash.shards import Cache
 
-    loader = StreamingLoader.for_run(
-        Cache.open(cfg.cache),
+    spec = DataSpec.for_run(
         cfg,
         drafter,
-        device=device,
         loader_threads=threads,
         prefetch_batches=max(cfg.data.prefetch_batches, 2 * threads),
         on_corrupt="fail",
         epochs=1000,
     )
+    loader = streaming_loader(Cache.open(cfg.cache), spec, device=device)
     tokens = batches = 0
     stats = {"context": 0, "blocks": 0, "pairs": 0}
     t0 = time.perf_counter()
@@ -315,6 +315,12 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=None)
     p.add_argument("--threads-sweep", default="1,2,4,8")
     p.add_argument("--train-threads", type=int, default=8)
+    p.add_argument(
+        "--loader-workers",
+        type=int,
+        default=0,
+        help="loader processes (0: threads), loader alone and training",
+    )
     p.add_argument("--train-seconds", type=float, default=None)
     p.add_argument("--loader-seconds", type=float, default=None)
     p.add_argument("--token-budget", type=int, default=None)
@@ -337,7 +343,7 @@ def main() -> None:
     loader_s = args.loader_seconds or (1.0 if args.tiny else (5.0 if args.quick else 10.0))
     budget = args.token_budget or (512 if args.tiny else 8192)
     threads_sweep = [int(t) for t in args.threads_sweep.split(",")]
-    recipe: dict[str, Any] = {}
+    recipe: dict[str, Any] = {"loader_workers": args.loader_workers}
     if args.draft_layers:
         recipe["num_draft_layers"] = args.draft_layers
     if args.feature_layers:

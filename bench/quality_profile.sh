@@ -11,9 +11,10 @@
 # (add `--unpack DIR` to start from a packed target and rows, `--pack $OUT/pack` to bring them back).
 # DEST gets progress.txt (time, step, phase), spy_raw.txt (30 s at 100 Hz, thread ids, idle frames) and
 # spy_gil.txt (the next 30 s, GIL holders only: read both with `python bench/spy_summary.py spy_raw.txt --gil
-# spy_gil.txt`), bench.tail (the benchmark's and the run's log tails), metrics.jsonl, and the
-# target's and rows' digests in progress.txt. Ends after SECONDS, leaving the run to the end of the call; the two
-# profiles take 60 s once STEP is reached, which may run past SECONDS: leave that much of the call's limit free.
+# spy_gil.txt`), bench.tail (the benchmark's and the run's log tails), each run's metrics-RUN.jsonl, and the
+# target's and rows' digests in progress.txt. Ends when the benchmark does, or after SECONDS (leaving the run to
+# the end of the call); the two profiles take 60 s once STEP is reached, which may run past SECONDS: leave that
+# much of the call's limit free.
 set -u
 work=${1:?work folder}
 dest=${2:?dest folder}
@@ -23,9 +24,10 @@ shift 4
 mkdir -p "$dest" "$work"
 start=$SECONDS
 python3 bench/bench_quality.py --work "$work" "$@" >"$work/bench.log" 2>&1 &
+bench_pid=$!
 step_now() { python3 bench/last_step.py "$work" | cut -d ' ' -f 1; }
 spied=0
-while [ $((SECONDS - start)) -lt "$seconds" ]; do
+while [ $((SECONDS - start)) -lt "$seconds" ] && kill -0 "$bench_pid" 2>/dev/null; do
   step=$(step_now)
   echo "t=$((SECONDS - start)) step=$step $(grep -E '^\[|^unpacked' "$work/bench.log" | tail -n 1)" >>"$dest/progress.txt"
   if [ $spied = 0 ] && [ "$step" -ge "$spy_step" ]; then
@@ -43,7 +45,8 @@ done
     [ -f "$log" ] && { echo "== $log"; grep -v Warning "$log" | tail -n 30; }
   done
 } >"$dest/bench.tail"
-metrics=$(find "$work" -name metrics.jsonl | head -n 1)
-[ -n "$metrics" ] && cp "$metrics" "$dest/metrics.jsonl"
+for metrics in "$work"/runs*/*/metrics.jsonl; do
+  [ -f "$metrics" ] && cp "$metrics" "$dest/metrics-$(basename "$(dirname "$metrics")").jsonl"
+done
 sha256sum "$work"/target/*.safetensors "$work"/data/rows.arrow >>"$dest/progress.txt" 2>&1
 exit 0

@@ -55,6 +55,7 @@ class Size:
     fractions: tuple[float, ...] = (0.25, 0.5, 1.0)  # of the training rows, for tau vs data size
     parallel_runs: int = 1
     codecs: tuple[str, ...] = ("lossless", "fp8", "q4")
+    extract_token_budget: int = 16384  # `dflash-extract --token-budget`: padded tokens per forward
 
 
 SIZES: dict[str, Size] = {
@@ -165,6 +166,9 @@ SIZES: dict[str, Size] = {
         # costs the loader less, leaving the lossless run, the call's longest, one evaluation.
         codecs=("fp8", "lossless"),
         parallel_runs=8,
+        # A 16k-token batch of this 15M-parameter target is a few ms of GPU math but ~200 kernel launches,
+        # and each launch hands the GIL to the encode threads: extraction took 71-152 s (BENCHMARKS.md).
+        extract_token_budget=131072,
     ),
 }
 # 6000 steps (~9.2 epochs): on one target instance, three seeds each, a 4500-step schedule ended at 1.49x

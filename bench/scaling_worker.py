@@ -71,25 +71,28 @@ def train(argv: list[str]) -> int:
     import torch
     from dflash.train import cli
     from dflash.train.loader import StreamingLoader
+    from dflash.train.loader_procs import ProcessLoader
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     launch = float(os.environ.get("DFLASH_BENCH_LAUNCH", time.time()))
     marks: dict[str, Any] = {"steps": [], "wait_after_first_s": 0.0, "wait_s": 0.0}
-    iterate = StreamingLoader.iterate
 
-    def timed_iterate(self: StreamingLoader):
-        batches = iterate(self)
-        while True:
-            t = time.perf_counter()
-            try:
-                item = next(batches)
-            except StopIteration:
-                return
-            waited = time.perf_counter() - t
-            marks["wait_s"] += waited
-            if marks["steps"]:
-                marks["wait_after_first_s"] += waited
-            yield item
+    def timed(iterate: Any) -> Any:
+        def timed_iterate(self: StreamingLoader):
+            batches = iterate(self)
+            while True:
+                t = time.perf_counter()
+                try:
+                    item = next(batches)
+                except StopIteration:
+                    return
+                waited = time.perf_counter() - t
+                marks["wait_s"] += waited
+                if marks["steps"]:
+                    marks["wait_after_first_s"] += waited
+                yield item
+
+        return timed_iterate
 
     def on_step(*_: Any) -> None:
         if not marks["steps"] and torch.cuda.is_available():
@@ -98,7 +101,11 @@ def train(argv: list[str]) -> int:
         if len(marks["steps"]) == 1:
             marks["first_step_s"] = time.time() - launch
 
-    StreamingLoader.iterate = timed_iterate
+    for loader_class in (
+        StreamingLoader,
+        ProcessLoader,
+    ):  # threads or worker processes: whichever the run uses
+        loader_class.iterate = timed(loader_class.iterate)
     register_optimizer_step_post_hook(on_step)
     code = cli.main(argv)
     steps = marks.pop("steps")

@@ -162,6 +162,11 @@ class Cache:
         if self.storage is not None and max_bytes > 0:
             self._shard_cache = ShardFileCache(self.path / SHARDS_DIR, max_bytes)
 
+    @property
+    def shard_cache_bytes(self) -> int:
+        """The bound `use_shard_cache` set (0: none): another process opening this cache shares the directory."""
+        return self._shard_cache.max_bytes if self._shard_cache is not None else 0
+
     def committed_names(self) -> list[str]:
         """The committed shards present now (`shard-*.dfs` on disk, or objects under the prefix), sorted."""
         if self.storage is not None:

@@ -169,7 +169,7 @@ def test_the_extractions_triton_cache_travels_in_the_pack_to_the_next_machine(
     # No target/ was built here (phases faked), so only the Triton cache was packed.
     assert [p.name for p in packs.iterdir()] == ["quality-triton-hybrid.tgz.00"]
 
-    def cache_was_unpacked(work: Path, codec: str, device: str) -> Path:
+    def cache_was_unpacked(work: Path, codec: str, device: str, token_budget: int) -> Path:
         assert (work / TRITON_CACHE / "k1" / "autotune.json").read_text() == '{"config": "BT=64"}'
         return work / f"cache-{codec}"
 

@@ -217,7 +217,7 @@ def test_loader_threads_run_torch_on_one_thread_and_the_consumer_keeps_its_own(
     16-core box ~16x), while the training thread keeps the count it had."""
     seen: dict[str, int] = {}
     loader = _loader(cache_dir)
-    read, build = loader._read, loader._build
+    read, build = loader.read, loader._build
 
     def spy(fn):
         def wrapped(*args, **kwargs):
@@ -226,7 +226,7 @@ def test_loader_threads_run_torch_on_one_thread_and_the_consumer_keeps_its_own(
 
         return wrapped
 
-    monkeypatch.setattr(loader, "_read", spy(read))
+    monkeypatch.setattr(loader, "read", spy(read))
     monkeypatch.setattr(loader, "_build", spy(build))
     before = torch.get_num_threads()
     torch.set_num_threads(2)

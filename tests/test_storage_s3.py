@@ -208,6 +208,14 @@ def test_training_from_s3_equals_training_from_disk(s3, tmp_path: Path, monkeypa
     assert sorted(p.name for p in (copy / "shards").iterdir()) == sorted(
         p.name for p in (local / "shards").iterdir()
     )
+    # Loader processes read the bucket too, sharing the run's shard directory: the same batches again
+    procs = [*_train_argv(f"s3://{bucket}/c", tmp_path / "run_procs"), "--loader-workers", "2"]
+    assert (
+        train_cli.main([*procs, "--shard-cache-dir", str(tmp_path / "kept2"), "--shard-cache-gb", "1"]) == 0
+    )
+    assert [r.get("loss") for r in read_metrics(tmp_path / "run_procs") if "loss" in r] == losses[0]
+    (copy,) = (tmp_path / "kept2").iterdir()
+    assert len(list((copy / "shards").iterdir())) == len(list((local / "shards").iterdir()))
     assert train_cli.main(["export", str(tmp_path / "run_s3fs"), "--out", str(tmp_path / "export")]) == 0
 
 

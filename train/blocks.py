@@ -96,6 +96,9 @@ class PackedBatch:
     def pin_memory(self) -> PackedBatch:
         return self._map(lambda t: t.pin_memory())
 
+    def clone(self) -> PackedBatch:
+        return self._map(torch.clone)
+
     def dequantized(self) -> PackedBatch:
         """bf16 features from fp8- or q-packed ones (same bits as the codec's own decode); else self."""
         if self.feature_scales is None:

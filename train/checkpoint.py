@@ -230,6 +230,7 @@ RESUMABLE_KEYS = frozenset(
         "plots",
         "progress",
         "loader_threads",
+        "loader_workers",
         "prefetch_batches",
         "max_steps",
         "epochs",

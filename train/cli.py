@@ -107,6 +107,12 @@ def _train_parser() -> argparse.ArgumentParser:
     data.add_argument("--token-budget", type=int, help="context tokens per micro-batch (samples are packed)")
     data.add_argument("--max-length", type=int, help="truncate samples to this many tokens")
     data.add_argument("--loader-threads", type=int, help="decompression threads")
+    data.add_argument(
+        "--loader-workers",
+        type=int,
+        help="processes that read and pack batches, off the training process's GIL (default: 4 on CUDA; "
+        "0: threads inside the training process, the default on a CPU)",
+    )
     data.add_argument("--prefetch-batches", type=int, help="batches prepared ahead of the GPU")
     data.add_argument("--shuffle-window", type=int, help="samples in the shuffle buffer")
     data.add_argument(

@@ -44,6 +44,9 @@ class LoaderConfig:
     token_budget: int = 8192
     max_length: int = 3072
     loader_threads: int = 4
+    # processes that read and pack batches (`loader_procs.py`); 0: threads of the training process;
+    # None: 4 on CUDA (the training thread then keeps the GIL to itself), threads on a CPU
+    loader_workers: int | None = None
     prefetch_batches: int = 8
     shuffle_window: int = 1024
     on_corrupt: str = "fail"
@@ -57,6 +60,8 @@ class LoaderConfig:
         _positive("token_budget", self.token_budget)
         _positive("max_length", self.max_length)
         _positive("loader_threads", self.loader_threads)
+        if self.loader_workers is not None and self.loader_workers < 0:
+            raise ValueError(f"loader_workers={self.loader_workers}: must be >= 0")
         _positive("prefetch_batches", self.prefetch_batches)
         _positive("shuffle_window", self.shuffle_window)
         _positive("eval_samples", self.eval_samples)

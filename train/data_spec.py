@@ -59,6 +59,7 @@ class DataSpec:
     epochs: int = 1
     shuffle_window: int = 1024
     loader_threads: int = 4
+    loader_workers: int | None = 0  # None: `loader_procs.streaming_loader` picks by device
     prefetch_batches: int = 8
     pad_blocks_to_multiple: int = 1
     dequantize_on_device: bool | None = None  # fp8/q stay undecoded until on the device (default: on CUDA)
@@ -103,9 +104,20 @@ class DataSpec:
             epochs=cfg.optim.epochs,
             shuffle_window=cfg.data.shuffle_window,
             loader_threads=cfg.data.loader_threads,
+            loader_workers=cfg.data.loader_workers,
             prefetch_batches=cfg.data.prefetch_batches,
         )
         return dataclasses.replace(spec, **overrides)
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as JSON values (a loader process is configured with it)."""
+        d = dataclasses.asdict(self)
+        d["layer_ids"], d["heldout_rows"] = list(self.layer_ids), sorted(self.heldout_rows)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DataSpec:
+        return cls(**{**d, "layer_ids": tuple(d["layer_ids"]), "heldout_rows": frozenset(d["heldout_rows"])})
 
     def pack(
         self,

@@ -10,7 +10,8 @@ Stages, each feeding the next through a bounded queue, all stopped by one event:
     copy thread      (CUDA only) host-to-device copy on a side stream, an event per batch
     consumer         `iterate()`: yields (LoadedBatch, state_dict) in plan order
 The planner, pool and copy threads run torch on themselves alone (`shards/threads.py`); the consumer, the
-training thread, keeps its count.
+training thread, keeps its count. `loader_procs.ProcessLoader` (the default on CUDA) runs the planning, reads
+and packing in worker processes instead, off the training thread's GIL, and yields the same batches.
 
 An fp8 or q4/q6 cache is read undecoded on CUDA (`dequantize=False`): batches carry fp8 bits or int8 codes
 plus their scales, about half the bytes of bf16 to pin and copy, and the copy thread decodes them on the
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _ANCHOR_TAG = 0x414E
 _END = object()
+
+
+def stoppable_put(stop: threading.Event) -> Callable[[queue.Queue, object], bool]:
+    """`put(q, item)` that waits for room until `stop` is set (then False: the consumer is gone)."""
+
+    def put(q: queue.Queue, item: object) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    return put
 
 
 class ShardsExhausted(Exception):
@@ -182,12 +198,32 @@ class StreamingLoader:
             yield _Job(epoch, index + self.rank, index + self.world_size, group[self.rank])
             index += self.world_size
 
+    def jobs(self) -> Iterator[_Job]:
+        """This rank's jobs from the saved position to the last epoch's end."""
+        epoch, start = self._state["epoch"], self._state["next_index"]
+        for e in range(epoch, self.spec.epochs):
+            planned = 0
+            for job in self._plan(e, start if e == epoch else 0):
+                planned += 1
+                yield job
+            if not planned and self.bad_shards and (e > epoch or start == 0):
+                raise ShardError(self._nothing_left())
+
     # --- stages ------------------------------------------------------------------------------------
 
-    def _read(self, ref: SampleRef) -> Sample | ShardError:
+    def read(self, ref: SampleRef) -> Sample | ShardError:
         return read_sample(self.cache, ref, self.spec, dequantize=not self.decode_on_device)
 
     def _build(self, job: _Job, reads: list[Future]) -> LoadedBatch:
+        """The job's batch, ready for the copy thread (pinned, CUDA) or the training thread (CPU)."""
+        loaded = self.pack_job(job, reads, tiles=self.device.type == "cuda")
+        # On CUDA the copy thread dequantizes fp8 batches on the GPU; elsewhere it happens here.
+        batch = loaded.batch
+        loaded.batch = batch.pin_memory() if self.device.type == "cuda" else batch.dequantized()
+        return loaded
+
+    def pack_job(self, job: _Job, reads: list[Future], *, tiles: bool) -> LoadedBatch:
+        """The job's samples packed into blocks (and FlexAttention's tiles when `tiles`), as read."""
         samples, skipped = [], 0
         for ref, fut in zip(job.samples, reads, strict=True):
             result = fut.result()
@@ -205,14 +241,8 @@ class StreamingLoader:
         batch = self.spec.pack(samples, generator=anchor_generator(self.spec.seed, job.epoch, job.index))
         # FlexAttention's tiles here, not on the training thread (`block_mask.TileLayout`); not once training
         # gave FlexAttention up: its dense fallback never reads them
-        if (
-            self.device.type == "cuda"
-            and flex_possible(batch, self.spec.attention)
-            and not flex_failure("train")
-        ):
+        if tiles and flex_possible(batch, self.spec.attention) and not flex_failure("train"):
             batch = batch.with_tile_layout(context_only=self.spec.split_own_slots)
-        # On CUDA the copy thread dequantizes fp8 batches on the GPU; elsewhere it happens here.
-        batch = batch.pin_memory() if self.device.type == "cuda" else batch.dequantized()
         rows = [s.row for s in samples] if loss_scale else []
         slot_sums = tuple(float(w) * loss_scale for w in batch.weights.sum(0).tolist())
         return LoadedBatch(
@@ -252,29 +282,15 @@ class StreamingLoader:
             initializer=one_torch_thread,
         )
         build_pool = ThreadPoolExecutor(2, thread_name_prefix="dflash-build", initializer=one_torch_thread)
-
-        def put(q: queue.Queue, item: object) -> bool:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
+        put = stoppable_put(stop)
 
         def planner() -> None:
             try:
                 one_torch_thread()
-                epoch, start = self._state["epoch"], self._state["next_index"]
-                for e in range(epoch, self.spec.epochs):
-                    planned = 0
-                    for job in self._plan(e, start if e == epoch else 0):
-                        planned += 1
-                        reads = [decode_pool.submit(self._read, ref) for ref in job.samples]
-                        if not put(built, (job, build_pool.submit(self._build, job, reads))):
-                            return
-                    if not planned and self.bad_shards and (e > epoch or start == 0):
-                        raise ShardError(self._nothing_left())
+                for job in self.jobs():
+                    reads = [decode_pool.submit(self.read, ref) for ref in job.samples]
+                    if not put(built, (job, build_pool.submit(self._build, job, reads))):
+                        return
                 put(built, _END)
             except BaseException as exc:
                 put(built, exc)
@@ -291,21 +307,7 @@ class StreamingLoader:
         for t in threads:
             t.start()
         try:
-            while True:
-                item = source.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                job, loaded = item
-                if isinstance(loaded, Future):
-                    loaded = loaded.result()
-                self._state = {
-                    "epoch": job.epoch,
-                    "next_index": job.next_index,
-                    "skipped_samples": self._state["skipped_samples"] + loaded.skipped,
-                }
-                yield loaded, self.state_dict()
+            yield from self._deliver(source)
         finally:
             # Every thread is joined before this returns: none may read the cache after its owner closes it.
             stop.set()
@@ -313,6 +315,24 @@ class StreamingLoader:
                 t.join()
             decode_pool.shutdown(wait=True, cancel_futures=True)
             build_pool.shutdown(wait=True, cancel_futures=True)
+
+    def _deliver(self, source: queue.Queue) -> Iterator[tuple[LoadedBatch, dict[str, int]]]:
+        """The consumer's side: (batch, state after it) in plan order; a stage's exception raised here."""
+        while True:
+            item = source.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            job, loaded = item
+            if isinstance(loaded, Future):
+                loaded = loaded.result()
+            self._state = {
+                "epoch": job.epoch,
+                "next_index": job.next_index,
+                "skipped_samples": self._state["skipped_samples"] + loaded.skipped,
+            }
+            yield loaded, self.state_dict()
 
     def _nothing_left(self) -> str:
         """An epoch with no batch once shards were skipped (a manifest that disagrees with every shard, under

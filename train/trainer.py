@@ -37,7 +37,8 @@ from .evaluate import EvalSet, build_eval_set, evaluate
 from .export import export_drafter
 from .frozen import FrozenTarget
 from .guards import FiniteGuard
-from .loader import LoadedBatch, StreamingLoader
+from .loader import LoadedBatch
+from .loader_procs import streaming_loader
 from .loss import Distill, drafter_loss
 from .mask import build_attention_mask
 from .metrics import LogWindow, MetricsLogger
@@ -118,7 +119,7 @@ class Trainer:
             fused=device.type == "cuda" or None,
         )
         self.ddp_model = wrap_model(self.model, info)
-        self.loader = StreamingLoader(cache, spec, rank=info.rank, world_size=info.world_size, device=device)
+        self.loader = streaming_loader(cache, spec, rank=info.rank, world_size=info.world_size, device=device)
         self.autocast = mixed_precision(device)
         self.step, self.best_tau, self.last_tau = 0, None, None
         self.total_steps = estimate_total_steps(cache.manifest, cfg, info.world_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def test_a_killed_worker_stops_the_run_naming_it(cache_dir: Path) -> None:
     stream = loader.iterate()
     next(stream)
     os.kill(loader.worker_pids[1], signal.SIGKILL)
-    with pytest.raises(RuntimeError, match=r"loader worker 1 \(pid \d+\) exited with code -9"):
+    with pytest.raises(ChildProcessError, match=r"loader worker 1 \(pid \d+\) exited with code -9"):
         for _ in stream:
             pass
     loader.cache.close()
@@ -128,6 +129,22 @@ def test_closing_the_stream_early_ends_the_workers(cache_dir: Path) -> None:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # reaped: not a zombie, not running
     assert _slot_files() == []
+
+
+def test_warm_workers_serve_the_next_iterate_from_its_position_or_are_closed(cache_dir: Path) -> None:
+    full = _collect(_loader(cache_dir, 0))
+    loader = _loader(cache_dir, 2)
+    loader.warm_up()  # started before the position is known (a resume loads it after)
+    warm = list(loader._spare)
+    loader.load_state_dict(full[3][1])
+    _same(full[4:], _collect(loader))
+    assert [w.proc.pid for w in warm] == loader.worker_pids and loader.worker_exit_codes == [0, 0]
+    unused = _loader(cache_dir, 2)
+    unused.warm_up()
+    procs = [w.proc for w in unused._spare]
+    unused.close()
+    unused.cache.close()
+    assert [p.returncode for p in procs] == [0, 0] and _slot_files() == []
 
 
 def test_cuda_runs_default_to_four_workers_and_cpu_runs_to_threads(cache_dir: Path) -> None:
@@ -236,3 +253,22 @@ def test_workers_of_a_killed_trainer_exit_and_remove_their_slots(cache_dir: Path
         assert not any(f.exists() for f in files)
     finally:
         parent.kill()
+
+
+def test_a_worker_that_cannot_start_stops_dflash_train_in_one_line(
+    cache_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from dflash.train import cli as train_cli
+    from dflash.train import loader_procs
+
+    from tests.common.train_cli import tiny_train_argv
+
+    monkeypatch.setattr(
+        loader_procs, "slot_dir", lambda: tmp_path / "no-such-dir"
+    )  # its slots cannot be made
+    argv = tiny_train_argv(cache_dir, tmp_path / "run", "--loader-workers", "2", "--max-steps", "3")
+    assert train_cli.main([*argv, "--target-layer-ids", "1,3", "--num-draft-layers", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"dflash-train: error: loader worker 0 failed: FileNotFoundError: .*no-such-dir.*", err
+    )

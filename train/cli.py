@@ -106,7 +106,11 @@ def _train_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("data")
     data.add_argument("--token-budget", type=int, help="context tokens per micro-batch (samples are packed)")
     data.add_argument("--max-length", type=int, help="truncate samples to this many tokens")
-    data.add_argument("--loader-threads", type=int, help="decompression threads")
+    data.add_argument(
+        "--loader-threads",
+        type=int,
+        help="decompression threads (with --loader-workers: in all, at least 2 per worker)",
+    )
     data.add_argument(
         "--loader-workers",
         type=int,

@@ -271,6 +271,12 @@ class StreamingLoader:
             hidden={i: zeros for i in self.spec.layer_ids},
         )
 
+    def warm_up(self) -> None:
+        """Start what `iterate` will need ahead of it (nothing for threads; `ProcessLoader` starts its workers)."""
+
+    def close(self) -> None:
+        """Release what `warm_up` started and no `iterate()` used."""
+
     def iterate(self) -> Iterator[tuple[LoadedBatch, dict[str, int]]]:
         """Yield (batch, state after it) until the last epoch ends; closing the generator stops every stage."""
         keep_own_threads()  # the training thread's CPU ops keep every core

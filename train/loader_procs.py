@@ -11,7 +11,9 @@ releases the GIL and must take it back from them, and the full-size drafter trai
 the same step alone runs 19 (BENCHMARKS.md). The batches are the thread loader's exactly (same plan, same
 anchor generators), so a run may switch between the two on resume. Processes share JSON lines on pipes and
 tensors in slot files; nothing is pickled. A worker that dies or fails stops the run with one line naming
-it; the slot files are removed by the workers and again by the parent.
+it; the slot files are removed by the workers and again by the parent. `warm_up()` starts the processes
+early (the trainer calls it before building the drafter: each interpreter imports torch for ~4 s); they get
+their configuration, the loader's position included, when `iterate()` begins.
 """
 
 from __future__ import annotations
@@ -52,13 +54,14 @@ def slot_dir() -> Path:
 
 
 def worker_error(worker: int, kind: str, text: str) -> BaseException:
-    """A worker's failure as the parent raises it: data errors keep their class (the CLI prints one line)."""
+    """A worker's failure as the parent raises it, one line either way (the CLI prints it): data errors keep
+    their class; anything else is the worker process failing (its traceback went to stderr)."""
     cls = getattr(shard_errors, kind, None)
     if isinstance(cls, type) and issubclass(cls, shard_errors.ShardError) and kind != "ManifestMismatch":
         return cls(text)
-    if kind in ("ValueError", "OSError", "FileNotFoundError", "PermissionError"):
+    if kind == "ValueError":
         return ValueError(text)
-    return RuntimeError(f"loader worker {worker}: {kind}: {text}")
+    return ChildProcessError(f"loader worker {worker} failed: {kind}: {text}")
 
 
 @dataclass
@@ -74,7 +77,7 @@ class _Worker:
         line = self.msg.readline()
         if not line:
             code = self.proc.wait()
-            raise RuntimeError(
+            raise ChildProcessError(
                 f"loader worker {self.index} (pid {self.proc.pid}) exited with code {code} before the end of its "
                 "batches; see its message above, or the system log if it was killed (out of memory?)"
             )
@@ -101,6 +104,18 @@ class ProcessLoader(StreamingLoader):
         super().__init__(*args, **kwargs)
         self.worker_pids: list[int] = []  # of the last `iterate()`, and their exit codes once it ended
         self.worker_exit_codes: list[int | None] = []
+        self._spare: list[_Worker] | None = None  # started by `warm_up`, configured by the next `iterate`
+
+    def warm_up(self) -> None:
+        """Start the workers now: their interpreters import torch (~4 s) while the caller sets up the rest."""
+        if self._spare is None:
+            self._spare = self._spawn()
+
+    def close(self) -> None:
+        """End workers that `warm_up` started and no `iterate()` used (they wait for their configuration)."""
+        spare, self._spare = self._spare, None
+        if spare:
+            self._stop(spare)
 
     def _config(self, worker: int, workers: int, slots: list[str]) -> dict[str, Any]:
         spec = self.spec
@@ -122,7 +137,8 @@ class ProcessLoader(StreamingLoader):
             "slots": slots,
         }
 
-    def _start(self) -> list[_Worker]:
+    def _spawn(self) -> list[_Worker]:
+        """The worker processes, started and waiting for their configuration."""
         workers = self.spec.loader_workers
         slots_each = max(2, -(-self.spec.prefetch_batches // workers))
         stem = slot_dir() / f"dflash-loader-{os.getpid()}-{secrets.token_hex(4)}"
@@ -138,14 +154,23 @@ class ProcessLoader(StreamingLoader):
                     os.close(ctl_r)
                     os.close(msg_w)
                 slots = [f"{stem}-w{w}-s{k}" for k in range(slots_each)]
-                worker = _Worker(w, proc, os.fdopen(ctl_w, "wb"), os.fdopen(msg_r, "rb"), slots, {})
-                started.append(worker)
-                worker.ctl.write(json.dumps(self._config(w, workers, slots)).encode() + b"\n")
-                worker.ctl.flush()
+                started.append(_Worker(w, proc, os.fdopen(ctl_w, "wb"), os.fdopen(msg_r, "rb"), slots, {}))
         except BaseException:
             self._stop(started)
             raise
         return started
+
+    def _start(self) -> list[_Worker]:
+        """Workers (the warm ones, else new) configured from the current position."""
+        workers, self._spare = self._spare or self._spawn(), None
+        try:
+            for w in workers:
+                w.ctl.write(json.dumps(self._config(w.index, len(workers), w.slots)).encode() + b"\n")
+                w.ctl.flush()
+        except BaseException:
+            self._stop(workers)
+            raise
+        return workers
 
     def _stop(self, workers: list[_Worker]) -> None:
         for w in workers:

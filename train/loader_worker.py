@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import sys
+import traceback
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from typing import Any, BinaryIO
 
 import torch
 from dflash.shards import Cache
+from dflash.shards.errors import ShardError
 from dflash.shards.threads import one_torch_thread
 
 from . import batch_wire
@@ -165,6 +167,10 @@ def main() -> int:
     except (ParentGone, BrokenPipeError, KeyboardInterrupt):
         return 0
     except BaseException as exc:
+        if not isinstance(
+            exc, (ShardError, ValueError)
+        ):  # not bad data: a bug or the machine, keep the trace
+            traceback.print_exc()
         text = " ".join(str(exc).split()) or type(exc).__name__
         with contextlib.suppress(OSError):
             _send(msg, {"error": text, "kind": type(exc).__name__})

@@ -102,6 +102,8 @@ class Trainer:
         self.run_lock: FileLock | None = None  # RUN/.lock, held by rank 0 from `build` to `close`
         self.startup = startup or StartupClock()  # this launch's set-up, timed to the end of its first step
         device = info.device
+        self.loader = streaming_loader(cache, spec, rank=info.rank, world_size=info.world_size, device=device)
+        self.loader.warm_up()  # loader processes start while the drafter is built and Dynamo imported
         # Initialised where it trains (seconds, not minutes, for a 1B-parameter drafter on a GPU); fp32
         # master weights, bf16 compute via autocast on CUDA.
         with self.startup.phase("drafter"), device:
@@ -119,7 +121,6 @@ class Trainer:
             fused=device.type == "cuda" or None,
         )
         self.ddp_model = wrap_model(self.model, info)
-        self.loader = streaming_loader(cache, spec, rank=info.rank, world_size=info.world_size, device=device)
         self.autocast = mixed_precision(device)
         self.step, self.best_tau, self.last_tau = 0, None, None
         self.total_steps = estimate_total_steps(cache.manifest, cfg, info.world_size)
@@ -283,6 +284,7 @@ class Trainer:
         )
 
     def close(self) -> None:
+        self.loader.close()
         self.cache.close()
         release_lock(self.run_lock)
         self.run_lock = None

@@ -81,6 +81,19 @@ def test_worker_processes_give_the_thread_loaders_batches_and_leave_no_files(
     assert _slot_files() == []
 
 
+def test_a_worker_done_with_its_jobs_keeps_its_slots_until_the_parent_has_read_them(cache_dir: Path) -> None:
+    """Every batch in a slot the parent has not mapped yet (more slots than jobs), and a slow consumer: the
+    workers finish their share long before the parent opens their last slots."""
+    loader = _loader(cache_dir, 2, prefetch_batches=40, epochs=1)
+    stream = loader.iterate()
+    first = next(stream)
+    time.sleep(2.0)  # every worker has written all of its batches and said so
+    items = [first, *stream]
+    loader.cache.close()
+    _same(_collect(_loader(cache_dir, 0, epochs=1)), items)
+    assert loader.worker_exit_codes == [0, 0] and _slot_files() == []
+
+
 def test_undecoded_fp8_batches_and_a_resume_match_too(tmp_path: Path) -> None:
     cache = write_fake_cache(tmp_path / "fp8", num_samples=30, samples_per_shard=8, codec="fp8", max_len=50)
     threads = _collect(_loader(cache, 0, dequantize_on_device=True))

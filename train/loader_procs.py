@@ -92,7 +92,7 @@ class _Worker:
         return held
 
     def free(self, k: int) -> None:
-        with contextlib.suppress(BrokenPipeError):  # a worker past its last batch has exited
+        with contextlib.suppress(BrokenPipeError):  # a worker that died: its next `receive` says so
             self.ctl.write(json.dumps({"free": k}).encode() + b"\n")
             self.ctl.flush()
 

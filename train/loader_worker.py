@@ -6,8 +6,9 @@ The parent writes one JSON line of configuration on CTL_FD, then `{"free": k}` e
 slot k. The worker plans the same jobs as the parent's `StreamingLoader` would, keeps every `workers`-th one
 from its `worker` index, and for each writes the packed batch into a free slot (a file in shared memory,
 `batch_wire` layout) and one JSON line on MSG_FD naming the slot and describing the batch; `{"end": true}`
-after its last job, `{"error": ...}` (one line, the exception's class and message) when it cannot go on.
-End of file on CTL_FD (the parent stopped or died) ends it quietly. Its slot files are removed on exit.
+after its last job (it then waits for CTL_FD to close: the parent may still be reading its slots), `{"error":
+...}` (one line, the exception's class and message) when it cannot go on. End of file on CTL_FD (the parent
+stopped or died) ends it quietly. Its slot files are removed on exit.
 """
 
 from __future__ import annotations
@@ -145,6 +146,8 @@ def serve(config: dict[str, Any], ctl: BinaryIO, msg: BinaryIO, slots: Slots) ->
                 record |= {"slot": k, "size": len(buffer), "tree": tree, "layout": layout}
                 _send(msg, record | {"bad_shards": dict(bad), "corrupt": corrupt})
             _send(msg, {"end": True})
+            while ctl.readline():  # the parent may not have read the last slots yet: keep them until it stops
+                pass
         finally:
             decode.shutdown(wait=True, cancel_futures=True)
 

@@ -15,10 +15,12 @@ Phases, in the order they run (`PHASES`; one not reached reads 0):
     frozen_check      their NaN/inf count where they are (on the CPU this reads the mmap'd file first)
     drafter           drafter initialised on the device
     compile_setup     the compile wrappers installed (torch.compile imports Dynamo; compiling waits for step 1)
-    optimizer         AdamW, DDP wrap, loader object, NaN guard, slot weights
+    optimizer         AdamW, DDP wrap, NaN guard, slot weights (the loader is made just before `drafter`,
+                      untimed: on CUDA its worker processes import torch while `drafter` and what follows run)
     resume            a checkpoint read back (`--resume`)
     logger            metrics.jsonl, TensorBoard writer, progress bar, config.json
-    first_batch       loader threads started and the batches of step 1 (and the next one) delivered
+    first_batch       loader threads started (or its workers told where to start) and the batches of step 1
+                      (and the next one) delivered
     first_step        step 1's forward, backward and update, compilation included (on CUDA up to a sync)
 Times are rounded down to the millisecond and the total up, so the phases never sum past the total; the
 rest (Python between phases) is what they leave out.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -285,3 +286,37 @@ def test_a_worker_that_cannot_start_stops_dflash_train_in_one_line(
     assert re.fullmatch(
         r"dflash-train: error: loader worker 0 failed: FileNotFoundError: .*no-such-dir.*", err
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_workers_deliver_the_thread_loaders_device_batches_tiles_included(tmp_path: Path) -> None:
+    cache = write_fake_cache(tmp_path / "fp8", num_samples=30, samples_per_shard=8, codec="fp8", max_len=50)
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def on_device(workers: int) -> list:
+        loader = streaming_loader(
+            Cache.open(cache), DataSpec(**{**SPEC, "loader_workers": workers}), device=device
+        )
+        items = [(loaded, state) for loaded, state in loader.iterate()]
+        for loaded, _ in items:
+            loaded.wait()
+        loader.cache.close()
+        return items
+
+    threads, procs = on_device(0), on_device(2)
+    assert all(b.batch.features.is_cuda and b.batch.tile_layout is not None for b, _ in procs)
+    _same(threads, procs)
+
+
+def test_a_full_shared_memory_is_an_error_naming_the_fix_not_a_crash(tmp_path: Path, monkeypatch) -> None:
+    from dflash.train import loader_worker
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loader_worker.os, "posix_fallocate", full, raising=False)
+    slots = loader_worker.Slots([str(tmp_path / "slot0")])
+    with pytest.raises(OSError, match=r"no room for a 1 MiB batch slot in .*--shm-size.*--loader-workers 0"):
+        slots.buffer(0, 1000)
+    slots.remove()
+    assert list(tmp_path.iterdir()) == []

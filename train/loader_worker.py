@@ -14,6 +14,7 @@ stopped or died) ends it quietly. Its slot files are removed on exit.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import mmap
@@ -65,7 +66,7 @@ class Slots:
             size = max(size + size // 4, 1 << 20)  # room to grow before the next remap
             fd = os.open(self.paths[k], os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                os.ftruncate(fd, size)
+                _reserve(fd, size, self.paths[k])
                 held = self.maps[k] = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
@@ -77,6 +78,25 @@ class Slots:
         for path in self.paths:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Give the slot file `size` bytes of real space now: in a full /dev/shm (a container's is 64 MB unless
+    raised) a sparse file would be a SIGBUS at the first write into its mapping, not an error."""
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:  # macOS: no reservation to be had
+            os.ftruncate(fd, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        folder = os.path.dirname(path)
+        raise OSError(
+            exc.errno,
+            f"no room for a {size / 2**20:.0f} MiB batch slot in {folder} (shared memory full? a container "
+            "needs a larger --shm-size for the loader's worker processes; --loader-workers 0 uses none)",
+        ) from None
 
 
 def _my_jobs(loader: StreamingLoader, worker: int, workers: int) -> Iterator[Any]:

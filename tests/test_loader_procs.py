@@ -320,3 +320,16 @@ def test_a_full_shared_memory_is_an_error_naming_the_fix_not_a_crash(tmp_path: P
         slots.buffer(0, 1000)
     slots.remove()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_worker_errors_keep_data_errors_as_such_and_name_the_worker_otherwise() -> None:
+    from dflash.shards.errors import CorruptFrame, ManifestMismatch
+    from dflash.train.loader_procs import worker_error
+
+    assert type(worker_error(0, "CorruptFrame", "bad frame")) is CorruptFrame
+    mismatch = worker_error(1, "ManifestMismatch", "cache: codec differs")
+    assert type(mismatch) is ShardError and not isinstance(mismatch, ManifestMismatch)
+    assert str(mismatch) == "cache: codec differs"
+    assert type(worker_error(0, "ValueError", "no")) is ValueError
+    other = worker_error(2, "KeyError", "'x'")
+    assert isinstance(other, ChildProcessError) and str(other) == "loader worker 2 failed: KeyError: 'x'"

@@ -57,8 +57,9 @@ def worker_error(worker: int, kind: str, text: str) -> BaseException:
     """A worker's failure as the parent raises it, one line either way (the CLI prints it): data errors keep
     their class; anything else is the worker process failing (its traceback went to stderr)."""
     cls = getattr(shard_errors, kind, None)
-    if isinstance(cls, type) and issubclass(cls, shard_errors.ShardError) and kind != "ManifestMismatch":
-        return cls(text)
+    if isinstance(cls, type) and issubclass(cls, shard_errors.ShardError):
+        # ManifestMismatch is built from its parts, not a message: the base class carries the line
+        return shard_errors.ShardError(text) if cls is shard_errors.ManifestMismatch else cls(text)
     if kind == "ValueError":
         return ValueError(text)
     return ChildProcessError(f"loader worker {worker} failed: {kind}: {text}")

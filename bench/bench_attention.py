@@ -12,6 +12,7 @@ visits masked pairs is charged for them. Variants:
     joint      FlexAttention over [context | slots], one BlockMask (the trainer's default, `mask.FORWARD_TILE`)
     split      FlexAttention over the context, own slots dense, merged (`--split-own-slots`)
     joint-default, split-default   the same with Inductor's default forward tile
+    joint-mRnK the trainer's kernel with an R x K forward tile instead (R, K dividing the BlockMask's 128 x 128)
     ctx        FlexAttention over the context alone (split's first part; its tile density printed)
     ctx-K      ctx with FlexAttention kernel_options K (see KERNEL_OPTIONS)
     ctx-autotune  ctx compiled in max-autotune-no-cudagraphs mode (Inductor tries its kernel configs)
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +45,8 @@ from bench.step_variants import packed_lengths
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 64, 16
 KERNEL_OPTIONS: dict[str, dict[str, object]] = {
     "m64n64": {"BLOCK_M": 64, "BLOCK_N": 64},
+    "m32n128": {"BLOCK_M": 32, "BLOCK_N": 128},
+    "m32n64": {"BLOCK_M": 32, "BLOCK_N": 64},
     "m64n128": {"BLOCK_M": 64, "BLOCK_N": 128},
     "m128n64": {"BLOCK_M": 128, "BLOCK_N": 64},
     "m64n128-tma": {"BLOCK_M": 64, "BLOCK_N": 128, "USE_TMA": True},
@@ -116,7 +120,9 @@ def variant(batch: PackedBatch, name: str, device: torch.device) -> tuple[Attend
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch._dynamo.reset()
-    mask_module.reset_flex(forward_tile=None if name.endswith("-default") else mask_module.FORWARD_TILE)
+    tile = re.fullmatch(r"joint-m(\d+)n(\d+)", name)
+    forward_tile = (int(tile[1]), int(tile[2])) if tile else mask_module.FORWARD_TILE
+    mask_module.reset_flex(forward_tile=None if name.endswith("-default") else forward_tile)
     t, scale = batch.num_context_tokens, HEAD_DIM**-0.5
     if name.startswith(("joint", "split")):
         mask = FlexMask.from_batch(batch, split=name.startswith("split"))

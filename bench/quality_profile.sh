@@ -45,6 +45,8 @@ done
     [ -f "$log" ] && { echo "== $log"; grep -v Warning "$log" | tail -n 30; }
   done
 } >"$dest/bench.tail"
+# with TORCH_LOGS=recompiles in the environment: which guard failed, and at which step's shapes
+grep -h -i -A3 "recompil" "$work"/runs*/*.log >"$dest/recompiles.txt" 2>/dev/null
 for metrics in "$work"/runs*/*/metrics.jsonl; do
   [ -f "$metrics" ] && cp "$metrics" "$dest/metrics-$(basename "$(dirname "$metrics")").jsonl"
 done

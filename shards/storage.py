@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -64,6 +64,14 @@ def _request(kind: str, nbytes: int = 0) -> None:
         _requests[kind] += 1
         if nbytes:
             _requests[f"{kind}_bytes"] += nbytes
+
+
+def merge_counts(transient: Mapping[str, int], requests: Mapping[str, int]) -> None:
+    """Add counts another process made on this one's behalf (a training loader's worker), so this process's
+    metrics and benchmarks include them."""
+    with _counts_lock:
+        _counts.update(transient)
+        _requests.update(requests)
 
 
 def storage_retries() -> dict[str, dict[str, int]]:

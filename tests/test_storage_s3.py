@@ -233,3 +233,24 @@ def test_shard_file_cache_keeps_at_most_its_bound(
     with Cache.open(local_cache) as plain:
         for r in rows:
             assert first[r].input_ids.equal(plain.read(r).input_ids)
+
+
+def test_loader_workers_range_reads_count_in_the_training_process(s3, tmp_path: Path, monkeypatch) -> None:
+    """A run's `storage_retries` and a benchmark's request counts are the training process's: its loader
+    workers' requests are added to them, batch by batch."""
+    from common.fake_cache import write_fake_cache
+    from dflash.shards.storage import request_counts
+    from dflash.train.data_spec import DataSpec
+    from dflash.train.loader_procs import ProcessLoader
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    local = write_fake_cache(tmp_path / "cache", num_samples=30, samples_per_shard=10)
+    bucket = s3.new_bucket()
+    upload_dir(s3, bucket, "c", local)
+    spec = DataSpec(layer_ids=[1, 3], block_size=4, mask_token_id=90, num_anchors=4, gamma=2.0, token_budget=96,
+                    max_length=40, loader_workers=2, epochs=1)  # fmt: skip
+    with Cache.open(f"s3://{bucket}/c") as cache:
+        before = request_counts().get("get", 0)
+        batches = list(ProcessLoader(cache, spec).iterate())
+        samples = sum(len(b.rows) for b, _ in batches)
+        assert samples == 30 and request_counts().get("get", 0) - before >= samples  # a range GET per sample

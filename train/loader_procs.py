@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 
 import torch
 from dflash.shards import errors as shard_errors
+from dflash.shards.storage import merge_counts
 from dflash.shards.threads import keep_own_threads, one_torch_thread
 
 from . import batch_wire
@@ -244,7 +245,8 @@ class ProcessLoader(StreamingLoader):
             put(out, exc)
 
     def _note(self, record: dict[str, Any]) -> None:
-        """What a worker skipped, logged here (the run's log) and counted as the thread loader counts it."""
+        """What a worker skipped, logged here (the run's log) and counted as the thread loader counts it, and
+        the object-storage requests and retries it made (`shards.storage` counts)."""
         for name, reason in record.get("bad_shards", {}).items():
             if name not in self.bad_shards:
                 self.bad_shards[name] = reason
@@ -253,6 +255,9 @@ class ProcessLoader(StreamingLoader):
             if len(self.corrupt_messages) < 100:
                 self.corrupt_messages.append(text)
             log.warning("skipping corrupt sample: %s", text)
+        storage = record.get("storage")
+        if storage:
+            merge_counts(storage.get("transient", {}), storage.get("requests", {}))
 
     def iterate(self) -> Iterator[tuple[LoadedBatch, dict[str, int]]]:
         keep_own_threads()

@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 import torch
 from dflash.shards import Cache
 from dflash.shards.errors import ShardError
+from dflash.shards.storage import request_counts, transient_counts
 from dflash.shards.threads import one_torch_thread
 
 from . import batch_wire
@@ -107,6 +108,25 @@ def _send(msg: BinaryIO, record: dict[str, Any]) -> None:
     msg.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
 
 
+class CountsSince:
+    """This process's object-storage counts (`shards.storage`) made since the last call: the parent adds them
+    to its own, so a run's `storage_retries` and a benchmark's request counts include the workers'."""
+
+    def __init__(self) -> None:
+        self.transient: dict[str, int] = {}
+        self.requests: dict[str, int] = {}
+
+    def __call__(self) -> dict[str, dict[str, int]]:
+        transient, requests = transient_counts(), request_counts()
+        new = {"transient": _minus(transient, self.transient), "requests": _minus(requests, self.requests)}
+        self.transient, self.requests = transient, requests
+        return new
+
+
+def _minus(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+
+
 def _describe(loaded: LoadedBatch, next_index: int) -> dict[str, Any]:
     return {
         "epoch": loaded.epoch,
@@ -148,6 +168,7 @@ def serve(config: dict[str, Any], ctl: BinaryIO, msg: BinaryIO, slots: Slots) ->
             for job in islice(jobs, len(slots.paths)):
                 submit(job)
             reported_bad, reported_corrupt = 0, 0
+            counts = CountsSince()
             while ahead:
                 job, reads = ahead.popleft()
                 following = next(jobs, None)
@@ -164,7 +185,7 @@ def serve(config: dict[str, Any], ctl: BinaryIO, msg: BinaryIO, slots: Slots) ->
                 reported_bad, reported_corrupt = reported_bad + len(bad), reported_corrupt + len(corrupt)
                 record = _describe(loaded, job.next_index)
                 record |= {"slot": k, "size": len(buffer), "tree": tree, "layout": layout}
-                _send(msg, record | {"bad_shards": dict(bad), "corrupt": corrupt})
+                _send(msg, record | {"bad_shards": dict(bad), "corrupt": corrupt, "storage": counts()})
             _send(msg, {"end": True})
             while ctl.readline():  # the parent may not have read the last slots yet: keep them until it stops
                 pass

@@ -105,7 +105,8 @@ def _my_jobs(loader: StreamingLoader, worker: int, workers: int) -> Iterator[Any
 
 
 def _send(msg: BinaryIO, record: dict[str, Any]) -> None:
-    msg.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+    msg.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")  # buffered: written whole
+    msg.flush()
 
 
 class CountsSince:
@@ -195,7 +196,7 @@ def serve(config: dict[str, Any], ctl: BinaryIO, msg: BinaryIO, slots: Slots) ->
 
 def main() -> int:
     ctl = os.fdopen(int(sys.argv[1]), "rb")
-    msg = os.fdopen(int(sys.argv[2]), "wb", buffering=0)
+    msg = os.fdopen(int(sys.argv[2]), "wb")
     # The parent logs what matters (skipped shards and samples) from the messages; only errors here.
     logging.basicConfig(level=logging.ERROR, format="dflash loader worker: %(message)s")
     torch.set_num_threads(1)

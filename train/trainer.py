@@ -15,6 +15,7 @@ and a `startup` entry in the launch's first metrics.jsonl record.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -288,6 +289,11 @@ class Trainer:
         self.cache.close()
         release_lock(self.run_lock)
         self.run_lock = None
+        # DDP's reducer holds the process group and sits in reference cycles: left to the interpreter's exit,
+        # gloo's threads met C++ static teardown ("terminate called without an active exception", SIGABRT,
+        # no Python frame; 1-2 of 8 two-rank runs on a loaded CPU box). Free it while Python still runs.
+        self.ddp_model = None
+        gc.collect()
         shutdown(self.info)
 
     # --- the loop -----------------------------------------------------------------------------------

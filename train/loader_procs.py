@@ -278,7 +278,7 @@ class ProcessLoader(StreamingLoader):
             receiver.join()
 
 
-DEFAULT_CUDA_WORKERS = 4  # 2.3x the full-size drafter's steps/s on an H200 against threads (BENCHMARKS.md)
+DEFAULT_CUDA_WORKERS = 4  # full size: ~25 steps/s against 8-12 with threads (BENCHMARKS.md)
 
 
 def streaming_loader(cache: Any, spec: DataSpec, **kwargs: Any) -> StreamingLoader:

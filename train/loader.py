@@ -29,7 +29,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -90,6 +90,19 @@ class LoadedBatch:
     weight_sum: float = 0.0  # sum of loss weights (0 for a filler), known before the forward
     slot_sums: tuple[float, ...] = ()  # the same per block slot (slot_weights.ReachWeights rescales slots)
     ready: torch.cuda.Event | None = None  # set on CUDA by the copy thread
+
+    def scalars(self) -> dict[str, Any]:
+        """Every field but the batch and its event, as JSON values (what a loader worker sends beside it)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("batch", "ready")}
+
+    @classmethod
+    def of_scalars(
+        cls, batch: PackedBatch, scalars: dict[str, Any], ready: torch.cuda.Event | None = None
+    ) -> LoadedBatch:
+        """The inverse of `scalars` (JSON gives `slot_sums` back as a list)."""
+        names = {f.name for f in fields(cls)} - {"batch", "ready"}
+        values = {name: scalars[name] for name in names}
+        return cls(batch=batch, ready=ready, **{**values, "slot_sums": tuple(values["slot_sums"])})
 
     def wait(self) -> PackedBatch:
         """The batch, safe to use on the current CUDA stream (a no-op on the CPU)."""
@@ -353,9 +366,7 @@ class StreamingLoader:
     def _copier(self, built: queue.Queue, out: queue.Queue, put, stop: threading.Event) -> None:
         """Host-to-device copies on a side stream, one batch ahead of the consumer."""
         try:
-            one_torch_thread()
-            torch.cuda.set_device(self.device)  # a new thread starts on device 0
-            stream = torch.cuda.Stream(device=self.device)
+            stream = self._side_stream()
             while not stop.is_set():
                 try:
                     item = built.get(timeout=0.1)
@@ -366,11 +377,28 @@ class StreamingLoader:
                     return
                 job, fut = item
                 loaded: LoadedBatch = fut.result()
-                with torch.cuda.stream(stream):
-                    loaded.batch = loaded.batch.to(self.device, non_blocking=True).dequantized()
-                    loaded.ready = torch.cuda.Event()
-                    loaded.ready.record(stream)
+                loaded.batch, _, loaded.ready = self._to_device(loaded.batch, stream)
                 if not put(out, (job, loaded)):
                     return
         except BaseException as exc:
             put(out, exc)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """A copy thread's set-up: torch on itself alone, this loader's device, a stream of its own."""
+        one_torch_thread()
+        torch.cuda.set_device(self.device)  # a new thread starts on device 0
+        return torch.cuda.Stream(device=self.device)
+
+    def _to_device(
+        self, batch: PackedBatch, stream: torch.cuda.Stream
+    ) -> tuple[PackedBatch, torch.cuda.Event, torch.cuda.Event]:
+        """`batch` copied to the device and decoded there (fp8/q), on `stream`: (batch, copied, ready), the
+        events after the copy (its host memory may be reused) and after the decode (the batch may be used)."""
+        with torch.cuda.stream(stream):
+            batch = batch.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+            batch = batch.dequantized()
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return batch, copied, ready

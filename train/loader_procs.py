@@ -192,11 +192,9 @@ class ProcessLoader(StreamingLoader):
     def _receive(self, workers: list[_Worker], out: queue.Queue, put: Any, stop: threading.Event) -> None:
         """The receiver thread: batches in plan order from the workers, to the device, slots given back."""
         try:
-            one_torch_thread()
             cuda = self.device.type == "cuda"
-            if cuda:
-                torch.cuda.set_device(self.device)  # a new thread starts on device 0
-                stream = torch.cuda.Stream(device=self.device)
+            one_torch_thread()
+            stream = self._side_stream() if cuda else None
             ordinal = 0
             while not stop.is_set():
                 worker = workers[ordinal % len(workers)]
@@ -213,30 +211,13 @@ class ProcessLoader(StreamingLoader):
                 if batch.tile_layout is not None and flex_failure("train"):
                     batch = replace(batch, tile_layout=None)
                 if cuda:
-                    with torch.cuda.stream(stream):
-                        batch = batch.to(self.device, non_blocking=True)
-                        copied = torch.cuda.Event()
-                        copied.record(stream)
-                        batch = batch.dequantized()
-                        ready = torch.cuda.Event()
-                        ready.record(stream)
+                    batch, copied, ready = self._to_device(batch, stream)
                     copied.synchronize()  # the slot's bytes are on the device: the worker may reuse it
                 else:
                     batch, ready = batch.clone().dequantized(), None
                 del views
                 worker.free(k)
-                loaded = LoadedBatch(
-                    batch,
-                    record["rows"],
-                    record["tokens"],
-                    record["loss_scale"],
-                    record["epoch"],
-                    record["index"],
-                    record["skipped"],
-                    weight_sum=record["weight_sum"],
-                    slot_sums=tuple(record["slot_sums"]),
-                    ready=ready,
-                )
+                loaded = LoadedBatch.of_scalars(batch, record, ready)
                 job = _Job(record["epoch"], record["index"], record["next_index"], [])
                 if not put(out, (job, loaded)):
                     return

@@ -35,7 +35,7 @@ from dflash.shards.threads import one_torch_thread
 
 from . import batch_wire
 from .data_spec import DataSpec
-from .loader import LoadedBatch, StreamingLoader
+from .loader import StreamingLoader
 
 
 class ParentGone(Exception):
@@ -128,20 +128,6 @@ def _minus(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
-def _describe(loaded: LoadedBatch, next_index: int) -> dict[str, Any]:
-    return {
-        "epoch": loaded.epoch,
-        "index": loaded.index,
-        "next_index": next_index,
-        "rows": loaded.rows,
-        "tokens": loaded.tokens,
-        "loss_scale": loaded.loss_scale,
-        "skipped": loaded.skipped,
-        "weight_sum": loaded.weight_sum,
-        "slot_sums": list(loaded.slot_sums),
-    }
-
-
 def serve(config: dict[str, Any], ctl: BinaryIO, msg: BinaryIO, slots: Slots) -> None:
     """Pack this worker's jobs into slots until the plan ends (see the module docstring)."""
     one_torch_thread()
@@ -184,7 +170,7 @@ def serve(config: dict[str, Any], ctl: BinaryIO, msg: BinaryIO, slots: Slots) ->
                 bad = list(loader.bad_shards.items())[reported_bad:]
                 corrupt = loader.corrupt_messages[reported_corrupt:]
                 reported_bad, reported_corrupt = reported_bad + len(bad), reported_corrupt + len(corrupt)
-                record = _describe(loaded, job.next_index)
+                record = loaded.scalars() | {"next_index": job.next_index}
                 record |= {"slot": k, "size": len(buffer), "tree": tree, "layout": layout}
                 _send(msg, record | {"bad_shards": dict(bad), "corrupt": corrupt, "storage": counts()})
             _send(msg, {"end": True})

@@ -318,8 +318,7 @@ def main() -> None:
     p.add_argument(
         "--loader-workers",
         type=int,
-        default=0,
-        help="loader processes (0: threads), loader alone and training",
+        help="loader processes, loader alone and training (0: threads; default: dflash-train's, 4 on CUDA)",
     )
     p.add_argument("--train-seconds", type=float, default=None)
     p.add_argument("--loader-seconds", type=float, default=None)

@@ -101,10 +101,8 @@ def train(argv: list[str]) -> int:
         if len(marks["steps"]) == 1:
             marks["first_step_s"] = time.time() - launch
 
-    for loader_class in (
-        StreamingLoader,
-        ProcessLoader,
-    ):  # threads or worker processes: whichever the run uses
+    # threads or worker processes: whichever the run uses
+    for loader_class in (StreamingLoader, ProcessLoader):
         loader_class.iterate = timed(loader_class.iterate)
     register_optimizer_step_post_hook(on_step)
     code = cli.main(argv)

@@ -59,15 +59,7 @@ def _slot_files() -> list[Path]:
 def _same(a: list, b: list) -> None:
     assert len(a) == len(b) > 2
     for (x, sx), (y, sy) in zip(a, b, strict=True):
-        assert (x.epoch, x.index, x.rows, x.tokens, x.skipped, sx) == (
-            y.epoch,
-            y.index,
-            y.rows,
-            y.tokens,
-            y.skipped,
-            sy,
-        )
-        assert x.slot_sums == y.slot_sums and x.weight_sum == y.weight_sum
+        assert (x.scalars(), sx) == (y.scalars(), sy)  # rows, epoch, index, weights, skips; the position
         for s, t in zip(x.batch.tensors(), y.batch.tensors(), strict=True):
             assert s.dtype == t.dtype and torch.equal(s, t)
 

@@ -96,9 +96,11 @@ def _bytes_of(buffer: Any, entry: dict[str, Any]) -> tuple[torch.Tensor | None, 
 def write_tensors(buffer: Any, tensors: Sequence[torch.Tensor], layout: Sequence[dict[str, Any]]) -> None:
     """Copy `tensors` into `buffer` (a writable buffer of at least `place`'s size) where `layout` says."""
     for t, entry in zip(tensors, layout, strict=True):
-        raw, _, _ = _bytes_of(buffer, entry)
+        raw, dtype, shape = _bytes_of(buffer, entry)
         if raw is not None:
-            raw.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            # Into a typed view of the destination: copy_ takes any source strides. (Viewing the source as
+            # bytes needs a unit last stride, which a "contiguous" tensor with a size-1 axis need not have.)
+            raw.view(dtype).view(shape).copy_(t.detach())
 
 
 def read_tensors(buffer: Any, layout: Sequence[dict[str, Any]]) -> list[torch.Tensor]:

@@ -74,7 +74,15 @@ from bench.quality_data import (
 from bench.quality_pack import TRITON_CACHE, pack, target_work, unpack, work_mismatch
 from bench.quality_prose import ASSISTANT, CHAT_TOKENS, cut_chat_prompts, read_prose_corpus
 from bench.quality_report import Scorer, print_table, summarize
-from bench.quality_sizes import SIZES, Run, Size, parse_variants, plan_runs
+from bench.quality_sizes import (
+    DEFAULTS_CURVE_EVERY,
+    SIZES,
+    Run,
+    Size,
+    parse_variants,
+    plan_runs,
+    with_trainer_defaults,
+)
 
 # --- phases -------------------------------------------------------------------------------------------
 
@@ -206,7 +214,10 @@ def run_flags(
     rows_file = heldout_file(run.dir.parent, run.fraction)
     recipe = size.drafter
     # Every run evaluates at its end too, so a call cut off before its `Scorer` turn still has each tau.
-    eval_every = max(1, recipe.steps // recipe.eval_points) if run.curve else recipe.steps
+    if recipe.steps is None:  # its epochs set the length; dflash-train evaluates at its last step anyway
+        eval_every = DEFAULTS_CURVE_EVERY if run.curve else 1 << 30
+    else:
+        eval_every = max(1, recipe.steps // recipe.eval_points) if run.curve else recipe.steps
     return [
         "--cache", str(work / f"cache-{run.codec}"), "--out", str(run.dir), "--seed", str(run.seed),
         "--device", device, "--eval-rows", str(rows_file), "--eval-fraction", "0",
@@ -283,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--variants", default="", help='recipes side by side: "name=FLAGS;name2=FLAGS" (default: one)'
     )
+    p.add_argument(
+        "--recipe", choices=("size", "defaults"), default="size",
+        help="the drafters' recipe: the size's (what its recorded numbers trained), or dflash-train's own "
+        "defaults as a new user runs them (its epochs set the length)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, help="override the recipe's training steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the target and data")
     p.add_argument("--compile-target", action="store_true",
@@ -302,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
         size = replace(size, seeds=args.seeds)
     if args.fractions:
         size = replace(size, fractions=tuple(float(f) for f in args.fractions.split(",")))
+    if args.recipe == "defaults":
+        try:
+            size = with_trainer_defaults(size)
+        except ValueError as exc:
+            raise SystemExit(f"error: --size {size_name}: {exc}") from None
     if args.steps:
         size = replace(size, drafter=replace(size.drafter, steps=args.steps))
     size = replace(size, target=replace(size.target, kind=args.target, compile=args.compile_target))
@@ -389,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "table": summarize(runs, baselines) if good else [],
         "curves": [{"run": r.name, "points": r.result["curve"]} for r in good if r.curve],
         "runs": [{"run": r.name, "flags": list(r.flags), **r.result} for r in runs],
+        "recipe": args.recipe,
         "train_args": args.train_args,
         "scored_on": scored_on,
         "seconds": seconds,
@@ -396,10 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     (work / args.runs_dir / "quality.json").write_text(json.dumps(report, indent=1) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    recipe = "dflash-train's defaults" if args.recipe == "defaults" else "the size's"
     print(f"target {args.target}: {info['params'] / 1e6:.1f}M params, LM loss {info['first_loss']:.2f} -> {info['final_loss']:.2f} "
           f"({info['train_tokens'] / 1e6:.1f}M tokens, {info['seconds']:.0f} s); data: {meta['rows']} rows, "
           f"{meta['tokens'] / 1e6:.2f}M tokens; corpus sha256 {str(info['corpus'].get('sha256'))[:16]}, "
-          f"weights sha256 {str(info.get('weights_sha256'))[:16]}, rows sha256 {str(meta.get('rows_sha256'))[:16]}")  # fmt: skip
+          f"weights sha256 {str(info.get('weights_sha256'))[:16]}, rows sha256 {str(meta.get('rows_sha256'))[:16]}; "
+          f"recipe: {recipe}")  # fmt: skip
     if good:
         print_table(report)
     return 0 if len(good) == len(runs) else 1

@@ -41,14 +41,17 @@ while [ $((SECONDS - start)) -lt "$seconds" ] && kill -0 "$bench_pid" 2>/dev/nul
 done
 {
   tail -n 40 "$work/bench.log"
-  for log in "$work"/cache-*.log "$work"/runs/*.log; do
+  for log in "$work"/{,prose/,hybrid/}cache-*.log "$work"/{,prose/,hybrid/}runs*/*.log; do
     [ -f "$log" ] && { echo "== $log"; grep -v Warning "$log" | tail -n 30; }
   done
 } >"$dest/bench.tail"
 # with TORCH_LOGS=recompiles in the environment: which guard failed, and at which step's shapes
-grep -h -i -A3 "recompil" "$work"/runs*/*.log >"$dest/recompiles.txt" 2>/dev/null
-for metrics in "$work"/runs*/*/metrics.jsonl; do
+# (prose and hybrid work in W/prose and W/hybrid: bench_quality.py's --target)
+grep -h -i -A3 "recompil" "$work"/{,prose/,hybrid/}runs*/*.log >"$dest/recompiles.txt" 2>/dev/null
+for metrics in "$work"/{,prose/,hybrid/}runs*/*/metrics.jsonl; do
   [ -f "$metrics" ] && cp "$metrics" "$dest/metrics-$(basename "$(dirname "$metrics")").jsonl"
 done
-sha256sum "$work"/target/*.safetensors "$work"/data/rows.arrow >>"$dest/progress.txt" 2>&1
+for target in "$work" "$work"/prose "$work"/hybrid; do
+  [ -d "$target/target" ] && sha256sum "$target"/target/*.safetensors "$target"/data/rows.arrow >>"$dest/progress.txt" 2>&1
+done
 exit 0

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash.train.config import DraftSpec, LoaderConfig
+
 from bench.quality_data import DataSpec, TargetSpec
 
 
@@ -22,14 +24,19 @@ class DrafterRecipe:
     block_size: int
     num_anchors: int
     token_budget: int
-    steps: int
+    steps: int | None  # None: dflash-train's epochs set the length (`trainer_defaults` only)
     lr: float
     eval_points: int = 4  # evaluations along the full-data run: the tau-vs-steps curve
     target_layer_ids: str | None = None  # None: DFlash's default rule for `layers` drafter layers
     gamma: float | None = None  # the loss decay over block slots; None: the paper's for the block size
     extra: tuple[str, ...] = ()
+    # Train with dflash-train's own defaults, as a new user would (`--recipe defaults`): no recipe flag but
+    # `--max-steps` when `steps` is set. The fields above then only describe the evaluation, and equal them.
+    trainer_defaults: bool = False
 
     def flags(self) -> list[str]:
+        if self.trainer_defaults:
+            return ["--max-steps", str(self.steps)] if self.steps else []
         return [
             "--num-draft-layers", str(self.layers),
             "--block-size", str(self.block_size),
@@ -183,6 +190,29 @@ SIZES["full"] = replace(
     codecs=("lossless", "fp8", "q4"),
     drafter=replace(SIZES["quick"].drafter, steps=6000, eval_points=4),
 )
+
+
+# Evaluations along a `trainer_defaults` run, whose length its epochs decide: every this many steps.
+DEFAULTS_CURVE_EVERY = 1000
+
+
+def with_trainer_defaults(size: Size) -> Size:
+    """`size` with its drafters trained on dflash-train's defaults (the recipe every target is measured on
+    for issue 29's "one default recipe"). Refused where the defaults' block size, anchors or pack budget
+    differ from the size's: the evaluation is built from those."""
+    drafter, loader, recipe = DraftSpec(), LoaderConfig(), size.drafter
+    for name, ours, theirs in (
+        ("block_size", recipe.block_size, drafter.block_size),
+        ("num_anchors", recipe.num_anchors, drafter.num_anchors),
+        ("token_budget", recipe.token_budget, loader.token_budget),
+    ):
+        if ours != theirs:
+            raise ValueError(f"--recipe defaults: this size's {name} is {ours}, dflash-train's {theirs}")
+    defaults = replace(
+        recipe, layers=drafter.num_draft_layers, steps=None, target_layer_ids=None, gamma=None, extra=(),
+        trainer_defaults=True,
+    )  # fmt: skip
+    return replace(size, drafter=defaults)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_quality, quality_data
+from bench import bench_quality, quality_data, quality_sizes
 from bench.quality_report import SPLIT_CLASSES, print_split_table
 
 
@@ -534,3 +534,28 @@ def test_poll_copies_an_ended_runs_report_and_evaluations_then_stops(tmp_path: P
     tail = (tmp_path / "dest" / "code.log.tail").read_text()
     assert "== exit 0" in tail and '"tau_walk": 3.9' in tail
     assert json.loads((tmp_path / "dest" / "code-quality.json").read_text()) == {"runs": []}
+
+
+def test_recipe_defaults_trains_what_dflash_train_does_with_no_recipe_flag(tmp_path: Path) -> None:
+    from dflash.train.cli import build_config
+    from dflash.train.config import default_recipe
+
+    size = quality_sizes.with_trainer_defaults(bench_quality.SIZES["full"])
+    runs = quality_sizes.plan_runs(tmp_path, replace(size, seeds=2, fractions=(1.0,)), ["fp8"], {"base": ()})
+    meta = {"eval_rows": [7, 8]}
+    for run in runs:
+        flags = bench_quality.run_flags(run, tmp_path, size, meta, "cuda", [])
+        trained = build_config(flags)
+        plain = default_recipe(cache=trained.cache, out=trained.out)
+        # Every choice of the recipe is the trainer's own (the evaluation and logging flags differ only).
+        assert trained.drafter == plain.drafter and trained.optim == plain.optim
+        assert trained.data.token_budget == plain.data.token_budget == size.drafter.token_budget
+        assert trained.eval_every == (quality_sizes.DEFAULTS_CURVE_EVERY if run.curve else 1 << 30)
+    # --steps still bounds such a run, and nothing else of the recipe changes.
+    short = replace(size, drafter=replace(size.drafter, steps=300))
+    flags = bench_quality.run_flags(runs[1], tmp_path, short, meta, "cuda", [])
+    assert build_config(flags).optim.max_steps == 300
+    # The evaluation is built from the size's block size, anchors and pack budget: a size whose differ from the
+    # trainer's defaults is refused, not scored on another block size.
+    with pytest.raises(ValueError, match="block_size is 8, dflash-train's 16"):
+        quality_sizes.with_trainer_defaults(bench_quality.SIZES["ci"])

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _ANCHOR_TAG = 0x414E
-_END = object()
+END = object()  # the end of a loader's stream of batches (the thread and the process loader's)
 
 
 def stoppable_put(stop: threading.Event) -> Callable[[queue.Queue, object], bool]:
@@ -116,7 +116,9 @@ class LoadedBatch:
 
 
 @dataclass(slots=True)
-class _Job:
+class Job:
+    """One batch of the plan: its epoch, its index in the epoch, and its samples (built by either loader)."""
+
     epoch: int
     index: int
     next_index: int  # global index where the next group of this epoch starts (for the state)
@@ -189,7 +191,7 @@ class StreamingLoader:
         """A shard's index for the planner; an unreadable index skips the whole shard under `skip`."""
         return shard_entries(self.cache, name, self.spec.on_corrupt, self.bad_shards)
 
-    def _plan(self, epoch: int, start_index: int) -> Iterator[_Job]:
+    def _plan(self, epoch: int, start_index: int) -> Iterator[Job]:
         """This rank's jobs of one epoch from global batch `start_index` (a group boundary)."""
         spec = self.spec
         stream = epoch_batches(
@@ -208,10 +210,10 @@ class StreamingLoader:
                 return
         index = start_index
         for group in group_for_ranks(stream, self.world_size):
-            yield _Job(epoch, index + self.rank, index + self.world_size, group[self.rank])
+            yield Job(epoch, index + self.rank, index + self.world_size, group[self.rank])
             index += self.world_size
 
-    def jobs(self) -> Iterator[_Job]:
+    def jobs(self) -> Iterator[Job]:
         """This rank's jobs from the saved position to the last epoch's end."""
         epoch, start = self._state["epoch"], self._state["next_index"]
         for e in range(epoch, self.spec.epochs):
@@ -227,7 +229,7 @@ class StreamingLoader:
     def read(self, ref: SampleRef) -> Sample | ShardError:
         return read_sample(self.cache, ref, self.spec, dequantize=not self.decode_on_device)
 
-    def _build(self, job: _Job, reads: list[Future]) -> LoadedBatch:
+    def _build(self, job: Job, reads: list[Future]) -> LoadedBatch:
         """The job's batch, ready for the copy thread (pinned, CUDA) or the training thread (CPU)."""
         loaded = self.pack_job(job, reads, tiles=self.device.type == "cuda")
         # On CUDA the copy thread dequantizes fp8 batches on the GPU; elsewhere it happens here.
@@ -235,7 +237,7 @@ class StreamingLoader:
         loaded.batch = batch.pin_memory() if self.device.type == "cuda" else batch.dequantized()
         return loaded
 
-    def pack_job(self, job: _Job, reads: list[Future], *, tiles: bool) -> LoadedBatch:
+    def pack_job(self, job: Job, reads: list[Future], *, tiles: bool) -> LoadedBatch:
         """The job's samples packed into blocks (and FlexAttention's tiles when `tiles`), as read."""
         samples, skipped = [], 0
         for ref, fut in zip(job.samples, reads, strict=True):
@@ -310,7 +312,7 @@ class StreamingLoader:
                     reads = [decode_pool.submit(self.read, ref) for ref in job.samples]
                     if not put(built, (job, build_pool.submit(self._build, job, reads))):
                         return
-                put(built, _END)
+                put(built, END)
             except BaseException as exc:
                 put(built, exc)
 
@@ -339,7 +341,7 @@ class StreamingLoader:
         """The consumer's side: (batch, state after it) in plan order; a stage's exception raised here."""
         while True:
             item = source.get()
-            if item is _END:
+            if item is END:
                 return
             if isinstance(item, BaseException):
                 raise item
@@ -372,7 +374,7 @@ class StreamingLoader:
                     item = built.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if item is _END or isinstance(item, BaseException):
+                if item is END or isinstance(item, BaseException):
                     put(out, item)
                     return
                 job, fut = item

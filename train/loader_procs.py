@@ -41,7 +41,7 @@ from dflash.shards.threads import keep_own_threads, one_torch_thread
 
 from . import batch_wire
 from .data_spec import DataSpec
-from .loader import _END, LoadedBatch, StreamingLoader, _Job, stoppable_put
+from .loader import END, Job, LoadedBatch, StreamingLoader, stoppable_put
 from .mask import flex_failure
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class ProcessLoader(StreamingLoader):
                 worker = workers[ordinal % len(workers)]
                 record = worker.receive()
                 if record.get("end"):
-                    put(out, _END)
+                    put(out, END)
                     return
                 if "error" in record:
                     raise worker_error(worker.index, record.get("kind", ""), record["error"])
@@ -218,7 +218,7 @@ class ProcessLoader(StreamingLoader):
                 del views
                 worker.free(k)
                 loaded = LoadedBatch.of_scalars(batch, record, ready)
-                job = _Job(record["epoch"], record["index"], record["next_index"], [])
+                job = Job(record["epoch"], record["index"], record["next_index"], [])
                 if not put(out, (job, loaded)):
                     return
                 ordinal += 1

@@ -61,6 +61,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_data import (
+    COMPILE_MODES,
     PAD,
     TARGET_KINDS,
     build_tokenizer,
@@ -301,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--steps", type=int, help="override the recipe's training steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the target and data")
-    p.add_argument("--compile-target", action="store_true",
-                   help="torch.compile the target's training (H200, hybrid: +17%% steps/s once compiled)")  # fmt: skip
+    p.add_argument("--compile-target", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
+                   help="torch.compile the target's training, in MODE (default: torch.compile's; H200, hybrid: "
+                   "+17%% steps/s once compiled; reduce-overhead adds CUDA graphs)")  # fmt: skip
     p.add_argument(
         "--pack",
         help="write target/ and data/, then the extraction's Triton cache, as tar parts here (to carry "

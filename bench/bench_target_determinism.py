@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.quality_data import SizedVocab, TargetSpec, train_target
+from bench.quality_data import COMPILE_MODES, SizedVocab, TargetSpec, train_target
 from bench.quality_sizes import SIZES
 
 
@@ -48,10 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--builds", type=int, default=2)
     p.add_argument("--device", default="cuda")
     p.add_argument("--control", action="store_true", help="also build with determinism only warned about")
+    p.add_argument("--compile", choices=COMPILE_MODES, help="torch.compile the training step in this mode")
     args = p.parse_args(argv)
-    spec = replace(SIZES[args.size].target, steps=args.steps, kind=args.target)
+    spec = replace(SIZES[args.size].target, steps=args.steps, kind=args.target, compile=args.compile)
     print(
-        f"{args.target} target of the {args.size} size, {args.steps} steps, {args.builds} builds, {args.device}"
+        f"{args.target} target of the {args.size} size, {args.steps} steps, {args.builds} builds, {args.device}, "
+        f"compile {args.compile or 'off'}"
     )
     print(f"{'determinism':<12} {'same weights':<13} {'s per build':<12} sha256 per build")
     with tempfile.TemporaryDirectory() as tmp:

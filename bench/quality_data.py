@@ -29,6 +29,14 @@ PAD = "<|endoftext|>"
 CORPUS_PACKAGES = ("torch", "transformers")
 
 
+COMPILE_MODES = (
+    "default",
+    "reduce-overhead",
+    "max-autotune",
+    "max-autotune-no-cudagraphs",
+)  # torch.compile's
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TargetSpec:
     """The target LM and how long it trains. `kind`: "code" (a Qwen3 LM on Python sources), "prose" (the
@@ -48,10 +56,12 @@ class TargetSpec:
     corpus_mb: float  # text read from the source files (train + held-out)
     bpe_mb: float  # of which the tokenizer learns from
     kind: str = "code"
-    # torch.compile the training step's model. On the H200 the hybrid's torch delta rule (the only one that
-    # trains there, `torch_delta_rule_for_training`) ran 4.5 steps/s eager and 5.25 compiled (BENCHMARKS.md):
-    # +17% once compiled, less than the compile costs on a 2500-step target, so it is off by default
-    compile: bool = False
+    # A torch.compile mode for the training step's model ("default", "reduce-overhead", ...); None: eager. On
+    # the H200 the hybrid's torch delta rule (the only one that trains there, `torch_delta_rule_for_training`)
+    # ran 4.5 steps/s eager and 5.25 with "default" (BENCHMARKS.md): +17% once compiled, less than the compile
+    # costs on a 2500-step target, so it is off by default. "reduce-overhead" (CUDA graphs: the step's shapes
+    # never change) is not timed yet.
+    compile: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -286,10 +296,17 @@ def _train_target(
     # on CUDA FLA's gated delta-rule backward is refused (torch_delta_rule_for_training says why)
     patch = torch_delta_rule_for_training(model) if device == "cuda" else contextlib.nullcontext()
     with patch as delta_rule:
-        forward = torch.compile(model) if spec.compile else model  # `model` itself is what is saved
+        # `model` itself is what is saved
+        forward = (
+            torch.compile(model, mode=None if spec.compile == "default" else spec.compile)
+            if spec.compile
+            else model
+        )
         losses = []
         start = time.perf_counter()
         for step in range(spec.steps):
+            if spec.compile:  # a new step: CUDA graphs may reuse the last step's outputs' memory
+                torch.compiler.cudagraph_mark_step_begin()
             frac = min(1.0, (step + 1) / warmup)
             progress = max(0.0, (step - warmup) / max(1, spec.steps - warmup))
             for group in optimizer.param_groups:

@@ -42,6 +42,10 @@ def dry_run_summary(config: ExtractConfig, run: PreparedRun) -> dict:
     estimate = estimate_cache_bytes(
         report.tokens, len(report.rows), len(run.layers), run.target.hidden_size, planned_dtype(config)
     )
+    last = run.target.num_hidden_layers - 1
+    with_last = estimate_cache_bytes(
+        report.tokens, len(report.rows), len(run.layers) + 1, run.target.hidden_size, planned_dtype(config)
+    )
     free, probe = free_space(config.out)
     local_need = estimate[config.codec]
     if config.publish_to:  # published to object storage, the staging directory holds a few shards at a time
@@ -67,6 +71,12 @@ def dry_run_summary(config: ExtractConfig, run: PreparedRun) -> dict:
             "files": len(run.dataset.files),
         },
         "codec": config.codec,
+        # `dflash-train --distill` reads the target's last layer through its final norm and lm_head
+        "distill": {
+            "last_layer": last,
+            "cached": last in run.layers,
+            "extra_bytes": 0 if last in run.layers else with_last[config.codec] - estimate[config.codec],
+        },
         "dtype": planned_dtype(config),
         "bytes_estimate": estimate,
         "codecs": codec_table(estimate, planned_dtype(config)),
@@ -108,6 +118,7 @@ def format_summary(s: dict) -> str:
         ),
         ("padding", f"{s['padded_tokens']:,} padded tokens, overhead {100 * s['padding_overhead']:.2f}%"),
         ("work units", f"{s['units']:,} shards of ~{size_text(s['unit_bytes'])}"),
+        ("distillation", _distill_text(s["distill"], chosen)),
         ("free space", f"{size_text(s['free_bytes'])} on {s['free_path']}: {verdict}"),
         (
             "time",
@@ -117,6 +128,16 @@ def format_summary(s: dict) -> str:
     width = max(len(k) for k, _ in lines)
     table = format_codec_table(s["codecs"], chosen, size_text)
     return "\n".join([*(f"{k:<{width}}  {v}" for k, v in lines), table])
+
+
+def _distill_text(distill: dict, codec: str) -> str:
+    last = distill["last_layer"]
+    if distill["cached"]:
+        return f"`dflash-train --distill` can use this cache: its last layer ({last}) is in it"
+    return (
+        f"`dflash-train --distill` needs the last layer ({last}): add it to --layers "
+        f"(+{size_text(distill['extra_bytes'])} with {codec})"
+    )
 
 
 def run_dry_run(config: ExtractConfig) -> dict:

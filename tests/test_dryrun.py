@@ -135,6 +135,13 @@ def test_dry_run_json(setup, capsys):
     assert table["q6"]["bytes"] == est["q6"] and table["q6"]["tau"] == CODEC_COSTS["q6"].tau_text()
     assert table["q6"]["tau_delta"] is not None and 0.01 < table["q6"]["rel_error"] < 0.05
     assert table["q4"]["tau_delta"] is not None and 0.05 < table["q4"]["rel_error"] < 0.2
+    # The default layers leave out the last one, which distillation reads: the dry run sizes adding it, one
+    # layer's share of the chosen codec's estimate (5 layers -> 6).
+    distill = out["distill"]
+    assert distill["last_layer"] == 63 and not distill["cached"]
+    assert out["codec"] == "lossless"
+    one_layer = est["lossless"] / len(out["layers"])
+    assert 0.8 * one_layer < distill["extra_bytes"] < 1.2 * one_layer
     assert not (tmp_path / "cache").exists()  # a dry run writes nothing
 
 
@@ -142,6 +149,11 @@ def test_dry_run_table(setup, capsys):
     _, ds, target, _ = setup
     assert main(["--target", str(target), "--dataset", str(ds), "--dry-run", "--codec", "fp8"]) == 0
     text = capsys.readouterr().out
+    assert "`dflash-train --distill` needs the last layer (63): add it to --layers (+" in text
+    assert main(["--target", str(target), "--dataset", str(ds), "--dry-run", "--layers", "1,63"]) == 0
+    assert (
+        "`dflash-train --distill` can use this cache: its last layer (63) is in it" in capsys.readouterr().out
+    )
     for word in (
         "rows kept",
         "rows skipped",

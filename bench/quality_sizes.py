@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash.train.config import DraftSpec, LoaderConfig
+from dflash.train.config import DraftSpec, LoaderConfig, OptimConfig
 
 from bench.quality_data import DataSpec, TargetSpec
 
@@ -209,8 +209,8 @@ def with_trainer_defaults(size: Size) -> Size:
         if ours != theirs:
             raise ValueError(f"--recipe defaults: this size's {name} is {ours}, dflash-train's {theirs}")
     defaults = replace(
-        recipe, layers=drafter.num_draft_layers, steps=None, target_layer_ids=None, gamma=None, extra=(),
-        trainer_defaults=True,
+        recipe, layers=drafter.num_draft_layers, steps=None, lr=OptimConfig().lr, target_layer_ids=None,
+        gamma=None, extra=(), trainer_defaults=True,
     )  # fmt: skip
     return replace(size, drafter=defaults)
 

@@ -549,6 +549,10 @@ def test_recipe_defaults_trains_what_dflash_train_does_with_no_recipe_flag(tmp_p
         plain = default_recipe(cache=trained.cache, out=trained.out)
         # Every choice of the recipe is the trainer's own (the evaluation and logging flags differ only).
         assert trained.drafter == plain.drafter and trained.optim == plain.optim
+        assert (size.drafter.layers, size.drafter.lr) == (
+            plain.drafter.num_draft_layers,
+            plain.optim.lr,
+        )  # reported
         assert trained.data.token_budget == plain.data.token_budget == size.drafter.token_budget
         assert trained.eval_every == (quality_sizes.DEFAULTS_CURVE_EVERY if run.curve else 1 << 30)
     # --steps still bounds such a run, and nothing else of the recipe changes.

@@ -151,9 +151,9 @@ def test_the_printed_commands_build_the_demos_configs(quick_run) -> None:
     assert summary["extract"]["raw_dtype"] == "float32" and summary["extract"]["ratio"] == size.ratio
 
 
-def test_the_best_and_exported_taus_are_explained(quick_run) -> None:
-    """Training's best tau is the best step's fp32 weights; the export holds them in bf16. Evaluated in fp32,
-    the export's step gives training's number exactly; the console says why the two differ."""
+def test_the_best_and_exported_walks_are_explained(quick_run) -> None:
+    """Training's best decode walk is the best step's fp32 weights; the export holds them in bf16. Evaluated
+    in fp32, the export's step gives training's number exactly; the console says why the two differ."""
     import torch
     from dflash.tools.demo_eval import evaluate_drafter, make_train_config
     from dflash.train import checkpoint as ckpt
@@ -164,9 +164,9 @@ def test_the_best_and_exported_taus_are_explained(quick_run) -> None:
     exported = load_drafter(summary["export"], dtype=torch.float32)
     fp32 = DFlashDrafter(exported.config)
     ckpt.load_weights(fp32, ckpt.find_checkpoint(summary["run"], best=True) / "model.safetensors")
-    assert evaluate_drafter(fp32, cfg)["tau"] == summary["tau_best_in_training"]
+    assert evaluate_drafter(fp32, cfg)["tau_walk"] == summary["tau_walk_best_in_training"]
     after = next(line for line in _console(out).splitlines() if line.startswith("[   after]"))
-    if summary["tau_after"] != summary["tau_best_in_training"]:
-        assert f"training measured {summary['tau_best_in_training']:.3f}" in after and "bf16" in after
+    if summary["tau_walk_after"] != summary["tau_walk_best_in_training"]:
+        assert f"training measured {summary['tau_walk_best_in_training']:.3f}" in after and "bf16" in after
     else:
         assert "training measured" not in after

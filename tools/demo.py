@@ -7,7 +7,7 @@ Steps, each printed as one line with its wall and CPU seconds:
     tokenize  `dflash-tokenize` in-process -> dataset/
     extract   `dflash-extract` in-process (every target layer, lossless codec, fp32 on the CPU) -> cache/
     before    tau of the untrained drafter: the exact step-0 weights the trainer starts from
-    train     `dflash-train` in-process -> run/ (metrics, plots, checkpoints, run/export = best by tau)
+    train     `dflash-train` in-process -> run/ (metrics, plots, checkpoints, run/export = best by decode walk)
     after     tau of the exported drafter, loaded back from run/export, on the same held-out blocks
 
 Both evaluations use the trainer's own evaluation (held-out rows, fixed anchors, decode walk), so
@@ -16,8 +16,8 @@ so two runs print the same numbers. What the steps print themselves (progress li
 `OUT/logs/STEP.log`; while a step runs, the console repeats its latest line every few seconds
 (`demo_steps.py`). The tokenize, extract and train steps are parsed from the CLI command lines
 `demo_commands.py` builds: the demo prints them, and `OUT/summary.json` holds them with the taus, the
-paths and the timings. The exported drafter's tau (bf16 weights) can differ from the best tau training
-logged (fp32 weights); the `after` line then prints both.
+paths and the timings. The exported drafter's decode walk (bf16 weights) can differ from the best walk
+training logged (fp32 weights); the `after` line then prints both.
 """
 
 from __future__ import annotations
@@ -161,14 +161,14 @@ def _fmt_tau(result: dict[str, Any]) -> str:
     return text + (f"; prompt lookup walks {lookup:.2f} on the same rows" if lookup else "")
 
 
-def _export_note(exported: float, best: float | None) -> str:
-    """Why the exported drafter's tau is not the best tau training logged, when they differ: the export
-    holds the best step's weights in bf16 (what servers load), training evaluated them in fp32."""
-    if best is None or best == exported:
+def _export_note(exported: float | None, best: float | None) -> str:
+    """Why the exported drafter's decode walk is not the best one training logged, when they differ: the
+    export holds the best step's weights in bf16 (what servers load), training evaluated them in fp32."""
+    if best is None or exported is None or best == exported:
         return ""
     return (
-        f" (bf16 weights, as served: tau {exported:.3f}; training measured {best:.3f} on the same rows "
-        "with the same step's fp32 weights)"
+        f" (bf16 weights, as served: decode walk {exported:.3f}; training measured {best:.3f} on the same "
+        "rows with the same step's fp32 weights)"
     )
 
 
@@ -255,13 +255,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             lambda: train(train_cfg),
             lambda t: (
                 f"{t.step} steps, final loss {t.final_metrics.get('loss', float('nan')):.3f}, "
-                f"best tau {t.best_tau or float('nan'):.2f} -> {paths['run']}"
+                f"best decode walk {t.best_walk or float('nan'):.2f} -> {paths['run']}"
             ),
         )
         after = steps.run(
             "after",
             lambda: evaluate_drafter(paths["export"], train_cfg),
-            lambda r: f"exported drafter: {_fmt_tau(r)}{_export_note(r['tau'], trained.best_tau)}",
+            lambda r: f"exported drafter: {_fmt_tau(r)}{_export_note(r.get('tau_walk'), trained.best_walk)}",
         )
     plots = sorted(str(p) for p in paths["plots"].glob("*.png"))
     summary = {
@@ -277,9 +277,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "tokenize": tokenized,
         "extract": extracted.to_dict(),
         "train_steps": trained.step,
-        # RUN/export holds the best step's weights in bf16 (what servers load): its tau can differ from the
+        # RUN/export holds the best step's weights in bf16 (what servers load): its walk can differ from the
         # one training measured on the fp32 weights by bf16's rounding.
-        "tau_best_in_training": trained.best_tau,
+        "tau_walk_best_in_training": trained.best_walk,
         "commands": {name: command_line(f"dflash-{name}", argv, cfg.threads) for name, argv in argvs.items()},
         "size": asdict(spec),
         "seed": cfg.seed,

@@ -85,7 +85,7 @@ def read_meta(ckpt: str | Path, require: Sequence[str] = ()) -> dict[str, Any]:
         json_object(meta["cache_shards"], path, "cache_shards")
     if "total_steps" in meta:
         json_int(meta["total_steps"], path, "total_steps", low=1)
-    json_number(meta.get("best_tau"), path, "best_tau", optional=True)
+    json_number(meta.get("best_walk"), path, "best_walk", optional=True)
     epochs = meta.get("config", {}).get("epochs")
     if epochs is not None:
         json_int(epochs, path, "config.epochs", low=1)

@@ -226,7 +226,7 @@ def _export_parser() -> argparse.ArgumentParser:
     )
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    which.add_argument("--best", action="store_true", help="the best checkpoint by tau")
+    which.add_argument("--best", action="store_true", help="the best checkpoint by the held-out decode walk")
     return p
 
 
@@ -304,7 +304,7 @@ def main_impl(argv: Sequence[str] | None) -> int:
     if result.last_checkpoint is not None:
         print(
             f"done: step {result.step}, checkpoint {result.last_checkpoint}"
-            + (f", best tau {result.best_tau:.3f}" if result.best_tau is not None else "")
+            + (f", best decode walk {result.best_walk:.3f}" if result.best_walk is not None else "")
         )
     return 0
 

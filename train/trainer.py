@@ -67,7 +67,7 @@ class TrainResult:
     step: int
     run_dir: Path
     last_checkpoint: Path | None
-    best_tau: float | None
+    best_walk: float | None  # the best held-out decode walk (RUN/best's and RUN/export's)
     final_metrics: dict[str, Any]
 
 
@@ -123,7 +123,7 @@ class Trainer:
         )
         self.ddp_model = wrap_model(self.model, info)
         self.autocast = mixed_precision(device)
-        self.step, self.best_tau, self.last_tau = 0, None, None
+        self.step, self.best_walk, self.last_tau = 0, None, None
         self.total_steps = estimate_total_steps(cache.manifest, cfg, info.world_size)
         self.eval_set: EvalSet | None = None
         self.guard = FiniteGuard(cache, spec.layer_ids)  # a NaN/inf loss or gradient stops the run
@@ -183,7 +183,8 @@ class Trainer:
                 raise
             raise CheckpointError(f"{exc}{ckpt.older_intact_hint(self.run_dir, found)}") from None
         self.loader.load_state_dict(loader_state)
-        self.step, self.total_steps, self.best_tau = meta["step"], meta["total_steps"], meta.get("best_tau")
+        # a run from before the walk chose the best has none: its next evaluation writes RUN/best again
+        self.step, self.total_steps, self.best_walk = meta["step"], meta["total_steps"], meta.get("best_walk")
         if self.reach is not None:
             if meta.get("slot_weights") is None:
                 raise CheckpointError(f"{found / 'meta.json'}: missing field 'slot_weights'")
@@ -270,7 +271,7 @@ class Trainer:
             "total_steps": self.total_steps,
             "world_size": self.info.world_size,
             **ckpt.cache_identity(self.cache.manifest),
-            "best_tau": self.best_tau,
+            "best_walk": self.best_walk,
             **(extra or {}),
         }
         return ckpt.save_checkpoint(
@@ -367,7 +368,7 @@ class Trainer:
             batches.close()  # joins the loader's threads before `close` closes the cache
             logger.close()
         self._report_skips(loader_state)
-        return TrainResult(self.step, self.run_dir, last_saved, self.best_tau, record)
+        return TrainResult(self.step, self.run_dir, last_saved, self.best_walk, record)
 
     def _open_logger(self) -> MetricsLogger:
         cfg, info = self.cfg, self.info
@@ -403,14 +404,18 @@ class Trainer:
         return record
 
     def _evaluate_and_keep_best(self, loader_state: dict[str, Any]) -> dict[str, Any]:
-        """Evaluate on rank 0; a new best tau writes RUN/best and RUN/export."""
+        """Evaluate on rank 0; a new best decode walk writes RUN/best and RUN/export.
+
+        The walk, not tau on sampled anchors, picks the drafter: it accepts along the path decoding takes, as a
+        server does. The two can part: on the quality benchmark's prose target tau kept rising over a run's
+        second half while the walk fell, on every seed (BENCHMARKS.md)."""
         result: dict[str, Any] = {}
         if self.info.is_main:
             result = self.evaluate()
-            tau = result.get("tau")
+            tau, walk = result.get("tau"), result.get("tau_walk")
             self.last_tau = tau if tau is not None else self.last_tau
-            if tau is not None and (self.best_tau is None or tau > self.best_tau):
-                self.best_tau = tau
+            if walk is not None and (self.best_walk is None or walk > self.best_walk):
+                self.best_walk = walk
                 self.save(self.run_dir / ckpt.BEST_DIR, loader_state, {"eval": result}, weights_only=True)
                 export_drafter(self.model, self.drafter_cfg, self.run_dir / EXPORT_DIR)
         barrier(self.info)

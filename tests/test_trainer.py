@@ -17,6 +17,7 @@ from dflash.train.lookup_split import CLASSES
 from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask
 from dflash.train.metrics import read_metrics
+from dflash.train.model import DFlashDrafter
 from dflash.train.schedule import lr_at
 from dflash.train.startup import PHASES
 from dflash.train.trainer import Trainer, train
@@ -73,6 +74,31 @@ def test_run_logs_evaluates_checkpoints_and_exports(cache_dir: Path, tmp_path: P
     # Resuming with a setting that changes the trajectory names it.
     with pytest.raises(ValueError, match=r"lr: 0\.001 \(checkpoint\) != 0\.002"):
         train(tiny_debug(str(cache_dir), str(run), lr=2e-3, resume=True, max_steps=9, keep_checkpoints=1))
+
+
+def test_the_best_drafter_is_the_best_decode_walk_not_the_best_tau(
+    cache_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    # tau on sampled anchors rising while the walk falls (the quality benchmark's prose target did so): the
+    # step with the best walk is the one RUN/best and RUN/export keep.
+    scripted = {2: (2.0, 1.5), 4: (2.5, 1.8), 6: (3.0, 1.6)}
+    real = Trainer.evaluate
+
+    def evaluate(self: Trainer) -> dict:
+        tau, walk = scripted[self.step]
+        return {**real(self), "tau": tau, "tau_walk": walk}
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    run = tmp_path / "run"
+    result = train(tiny_debug(str(cache_dir), str(run), max_steps=6, eval_every=2, save_every=0))
+    assert result.best_walk == 1.8
+    best = ckpt.read_json(run / "best" / "meta.json")
+    assert best["step"] == 4 and best["best_walk"] == 1.8
+    exported = load_drafter(run / "export")
+    kept = DFlashDrafter(exported.config)
+    ckpt.load_weights(kept, run / "best" / "model.safetensors")
+    pairs = zip(exported.state_dict().values(), kept.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b.to(a.dtype)) for a, b in pairs)  # the export is step 4's weights
 
 
 def test_startup_breakdown_once_per_launch(cache_dir: Path, tmp_path: Path, caplog) -> None:

@@ -190,7 +190,7 @@ def phase_data(work: Path, size: Size, tokenizer: Any, train_files: list, held_f
     return meta
 
 
-def phase_cache(work: Path, codec: str, device: str, token_budget: int = 16384) -> Path:
+def phase_cache(work: Path, codec: str, device: str, token_budget: int) -> Path:
     """The cache of one codec, extracted from the target by the real `dflash-extract` CLI."""
     cache = work / f"cache-{codec}"
     manifest = cache / "manifest.json"

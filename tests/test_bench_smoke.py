@@ -100,6 +100,7 @@ RUNS = {
     "tiles": ["bench/bench_tiles.py", "--repeat", "1"],
     "spy_summary_imports": ["bench/spy_summary.py", "--help"],
     "attention_imports": ["bench/bench_attention.py", "--help"],
+    "target_ops": ["bench/target_ops.py", "--size", "ci"],
     "scaling_imports": ["bench/bench_scaling.py", "--help"],
     "forward_imports": ["bench/bench_forward.py", "--help"],
     "dataset_imports": ["bench/bench_dataset.py", "--help"],

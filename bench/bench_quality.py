@@ -29,7 +29,7 @@ evaluates along the way (`eval_points`), the other runs at their end; `--train-a
 every run do so, so a cut leaves numbers behind (six evaluations at once: 25-42 s each).
 
 Phases (each kept in --work and skipped when its output exists, so a cut-off run resumes where it stopped):
-1. target: a byte-level BPE and a small LM trained on its corpus (`quality_data`), saved in bf16 with tied
+1. target: a byte-level BPE and a small LM trained on its corpus (`quality_target`), saved in bf16 with tied
    embeddings like released Qwen3-0.6B/1.7B/4B checkpoints;
 2. data: prompts cut from training files (rows) and from held-out ones, the target's greedy continuations
    (what DFlash trains on: target-regenerated data) -> one Arrow file + the evaluation row ids;
@@ -60,18 +60,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.quality_data import (
-    COMPILE_MODES,
-    PAD,
-    TARGET_KINDS,
-    build_tokenizer,
-    cut_prompts,
-    greedy_continuations,
-    read_corpus,
-    tokenize_files,
-    train_target,
-    write_rows,
-)
+from bench.quality_data import cut_prompts, greedy_continuations, read_corpus, write_rows
 from bench.quality_pack import TRITON_CACHE, pack, target_work, unpack, work_mismatch
 from bench.quality_prose import ASSISTANT, CHAT_TOKENS, cut_chat_prompts, read_prose_corpus
 from bench.quality_report import Scorer, print_table, summarize
@@ -83,6 +72,14 @@ from bench.quality_sizes import (
     parse_variants,
     plan_runs,
     with_trainer_defaults,
+)
+from bench.quality_target import (
+    COMPILE_MODES,
+    PAD,
+    TARGET_KINDS,
+    build_tokenizer,
+    tokenize_files,
+    train_target,
 )
 
 # --- phases -------------------------------------------------------------------------------------------

@@ -24,16 +24,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.quality_data import (
-    COMPILE_MODES,
-    DataSpec,
-    SizedVocab,
-    TargetSpec,
-    cut_prompts,
-    greedy_continuations,
-    train_target,
-)
+from bench.quality_data import DataSpec, cut_prompts, greedy_continuations
 from bench.quality_sizes import SIZES
+from bench.quality_target import COMPILE_MODES, SizedVocab, TargetSpec, train_target
 
 
 def build_digests(

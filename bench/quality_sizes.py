@@ -13,7 +13,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.train.config import DraftSpec, LoaderConfig, OptimConfig
 
-from bench.quality_data import DataSpec, TargetSpec
+from bench.quality_data import DataSpec
+from bench.quality_target import TargetSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.quality_data import SizedVocab, target_config, target_model, torch_delta_rule_for_training
 from bench.quality_sizes import SIZES
+from bench.quality_target import SizedVocab, target_config, target_model, torch_delta_rule_for_training
 
 
 def count_ops(kind: str, size: str, batch: int) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_quality, quality_data, quality_sizes
+from bench import bench_quality, quality_data, quality_sizes, quality_target
 from bench.quality_report import SPLIT_CLASSES, print_split_table
 
 
@@ -284,10 +284,10 @@ def test_hybrid_target_is_a_gated_deltanet_model_through_every_phase(tmp_path: P
     manifest = json.loads((tmp_path / "hybrid" / "cache-lossless" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["target"]["model_type"] == "qwen3_5_text"
     # About the code target's size, so `--size quick` fits the same time on a GPU.
-    code = quality_data.target_config(bench_quality.SIZES["quick"].target, quality_data.SizedVocab(4096))
+    code = quality_target.target_config(bench_quality.SIZES["quick"].target, quality_target.SizedVocab(4096))
     hybrid_spec = replace(bench_quality.SIZES["quick"].target, kind="hybrid")
     sizes = [
-        _params(c) for c in (code, quality_data.target_config(hybrid_spec, quality_data.SizedVocab(4096)))
+        _params(c) for c in (code, quality_target.target_config(hybrid_spec, quality_target.SizedVocab(4096)))
     ]
     assert abs(sizes[1] / sizes[0] - 1) < 0.02
 
@@ -302,26 +302,28 @@ def test_hybrid_target_trains_through_the_torch_delta_rule_and_leaves_it_as_it_w
     import torch
 
     spec = replace(bench_quality.SIZES["ci"].target, kind="hybrid")
-    model = quality_data.target_model(quality_data.target_config(spec, quality_data.SizedVocab(spec.vocab)))
+    model = quality_target.target_model(
+        quality_target.target_config(spec, quality_target.SizedVocab(spec.vocab))
+    )
     modeling = sys.modules[type(model).__module__]
     before = {id(m): getattr(m, "chunk_gated_delta_rule", None) for m in model.modules()}
     dispatch = modeling.torch_chunk_gated_delta_rule
-    torch_code = quality_data.torch_code(dispatch)  # under the dispatch wrappers: the torch code
+    torch_code = quality_target.torch_code(dispatch)  # under the dispatch wrappers: the torch code
     assert torch_code is not dispatch and "def torch_chunk_gated_delta_rule" in inspect.getsource(torch_code)
-    with quality_data.torch_delta_rule_for_training(model) as what:
+    with quality_target.torch_delta_rule_for_training(model) as what:
         assert what and "torch" in what
         ids = torch.randint(0, spec.vocab, (2, 16))
         model(input_ids=ids, labels=ids).loss.backward()
         layers = [m for m in model.modules() if callable(getattr(m, "chunk_gated_delta_rule", None))]
-        assert all(quality_data.torch_code(m.chunk_gated_delta_rule) is torch_code for m in layers)
+        assert all(quality_target.torch_code(m.chunk_gated_delta_rule) is torch_code for m in layers)
         assert layers or modeling.torch_chunk_gated_delta_rule is torch_code
     assert modeling.torch_chunk_gated_delta_rule is dispatch
     assert {id(m): getattr(m, "chunk_gated_delta_rule", None) for m in model.modules()} == before
     # a model with no delta-rule layer is left alone
-    plain = quality_data.target_model(
-        quality_data.target_config(bench_quality.SIZES["ci"].target, quality_data.SizedVocab(384))
+    plain = quality_target.target_model(
+        quality_target.target_config(bench_quality.SIZES["ci"].target, quality_target.SizedVocab(384))
     )
-    with quality_data.torch_delta_rule_for_training(plain) as what:
+    with quality_target.torch_delta_rule_for_training(plain) as what:
         assert what is None
 
 
@@ -375,7 +377,7 @@ def test_target_trains_under_strict_determinism_and_records_its_weights_digest(
 
     spec = replace(bench_quality.SIZES["ci"].target, steps=3)
     modes = []
-    make = quality_data.target_model
+    make = quality_target.target_model
 
     def recording(config):
         model = make(config)
@@ -384,7 +386,7 @@ def test_target_trains_under_strict_determinism_and_records_its_weights_digest(
         )))  # fmt: skip
         return model
 
-    monkeypatch.setattr(quality_data, "target_model", recording)
+    monkeypatch.setattr(quality_target, "target_model", recording)
     files = [np.random.default_rng(0).integers(1, spec.vocab, 4 * spec.seq_len)]
     digests = []
     before = (
@@ -393,8 +395,8 @@ def test_target_trains_under_strict_determinism_and_records_its_weights_digest(
     )
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        info = quality_data.train_target(
-            spec, quality_data.SizedVocab(spec.vocab), files, tmp_path / name, "cpu", seed=0
+        info = quality_target.train_target(
+            spec, quality_target.SizedVocab(spec.vocab), files, tmp_path / name, "cpu", seed=0
         )
         weights = (tmp_path / name / "model.safetensors").read_bytes()
         assert info["weights_sha256"] == hashlib.sha256(weights).hexdigest()
@@ -411,7 +413,7 @@ def _params(config) -> int:
     import torch
 
     with torch.device("meta"):
-        return sum(p.numel() for p in quality_data.target_model(config).parameters())
+        return sum(p.numel() for p in quality_target.target_model(config).parameters())
 
 
 _SOURCE = '''"""A module about parsing configuration files, written for people who read it in a terminal window. It says so plainly and at some length, so that nobody has to guess."""

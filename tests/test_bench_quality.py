@@ -167,7 +167,7 @@ def test_the_extractions_triton_cache_travels_in_the_pack_to_the_next_machine(
     assert bench_quality.main([*argv, "--work", str(first), "--pack", str(packs)]) == 0
     assert seen == [{"TRITON_CACHE_DIR": str(first / "hybrid" / TRITON_CACHE)}]
     # No target/ was built here (phases faked), so only the Triton cache was packed.
-    assert [p.name for p in packs.iterdir()] == ["quality-triton-hybrid.tgz.00"]
+    assert [p.name for p in packs.iterdir()] == ["quality-triton-hybrid.txz.00"]
 
     def cache_was_unpacked(work: Path, codec: str, device: str, token_budget: int) -> Path:
         assert (work / TRITON_CACHE / "k1" / "autotune.json").read_text() == '{"config": "BT=64"}'
@@ -220,6 +220,42 @@ def _assert_scored(report: dict, target: str) -> None:
 
 
 @pytest.mark.slow
+def test_a_pack_of_an_earlier_session_in_gzip_parts_still_unpacks(tmp_path: Path) -> None:
+    """Packs are xz now; the .tgz parts earlier sessions kept (and BENCHMARKS' commands name) must still load,
+    and a folder holding both kinds takes the new one."""
+    import io
+    import tarfile
+
+    from bench.quality_pack import pack, unpack
+
+    def tgz_parts(dest: Path, text: str) -> None:
+        blob = io.BytesIO()
+        with tarfile.open(fileobj=blob, mode="w:gz") as tar:
+            data = text.encode()
+            info = tarfile.TarInfo("target/config.json")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        raw = blob.getvalue()
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "quality-work-hybrid.tgz.00").write_bytes(raw[: len(raw) // 2])
+        (dest / "quality-work-hybrid.tgz.01").write_bytes(raw[len(raw) // 2 :])
+
+    old = tmp_path / "old"
+    tgz_parts(old, '{"old": true}')
+    assert unpack(old, tmp_path / "w1", "hybrid")
+    assert (tmp_path / "w1" / "target" / "config.json").read_text() == '{"old": true}'
+    assert not unpack(old, tmp_path / "w1", "hybrid")  # already there: nothing overwritten
+
+    fresh = tmp_path / "fresh"
+    (fresh / "target").mkdir(parents=True)
+    (fresh / "target" / "config.json").write_text('{"new": true}')
+    (fresh / "data").mkdir()
+    parts = pack(fresh, old, kind="hybrid")
+    assert [p.name for p in parts] == ["quality-work-hybrid.txz.00"]
+    assert unpack(old, tmp_path / "w2", "hybrid")
+    assert (tmp_path / "w2" / "target" / "config.json").read_text() == '{"new": true}'
+
+
 def test_prose_target_trains_on_chat_rows_and_packs_into_its_own_folder(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
@@ -250,7 +286,7 @@ def test_prose_target_trains_on_chat_rows_and_packs_into_its_own_folder(
     assert len(turns) > 100 and all(t.startswith(("user\n", "assistant\n")) for t in turns)
     assert _CODE_LINE.search(corpus) is None
     # Its pack parts are its own and carry everything a later call needs: no corpus is read again.
-    assert sorted(p.name for p in pack.iterdir()) == ["quality-work-prose.tgz.00"]
+    assert sorted(p.name for p in pack.iterdir()) == ["quality-work-prose.txz.00"]
 
     def no_corpus(*_args):
         raise AssertionError("the corpus was read again")

@@ -22,8 +22,8 @@ TRITON_CACHE = "triton-extract"
 PACKED = {"work": ("target", "data"), "triton": (TRITON_CACHE,)}
 
 
-# xz, not gzip: a full-size target and its rows are 23.5 MB against 28.0 MB (27 s to pack on this box against 3
-# s; unpacking takes ~1 s), so two targets' packs and the device wheels fit one call's 64 MiB `carry`, where
+# xz, not gzip: a full-size target and its rows are 23.5 MB against 28.0 MB (31 s to pack on this box against 3
+# s; unpacking takes 1.7 s), so two targets' packs and the device wheels fit one call's 64 MiB `carry`, where
 # gzip's went over by 3 MB. Packs written as .tgz by earlier sessions still unpack.
 PACK_SUFFIX = ".txz"
 _LEGACY_SUFFIX = ".tgz"

@@ -71,6 +71,7 @@ from bench.quality_sizes import (
     Size,
     parse_variants,
     plan_runs,
+    starts_in_time,
     with_trainer_defaults,
 )
 from bench.quality_target import (
@@ -310,7 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unpack", help="start from tar parts written by --pack")
     p.add_argument("--stop-after", choices=("data", "extract"), help="end after this phase")
     p.add_argument("--json", help="also write the report here")
+    p.add_argument(
+        "--deadline", type=float,
+        help="seconds from the start: start no run that the longest finished one says would end later (a "
+        "device call's limit, less its own start); runs left out are reported as not started, not failed",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    began = time.perf_counter()
     size_name = "quick" if args.quick else args.size
     size = SIZES[size_name]
     if args.seeds:
@@ -380,13 +387,24 @@ def main(argv: list[str] | None = None) -> int:
 
     scorer = Scorer(work, size, meta, args.device, scored_on)
 
+    took: list[float] = []  # each finished run's seconds, training to score
+
     def train_one(run: Run) -> Run:
         try:
             caches[run.codec].result()
+            left = (args.deadline or 0) - (time.perf_counter() - began)
+            if args.deadline and not starts_in_time(left, took):
+                run.result["not_started"] = (
+                    f"{left:.0f} s left before --deadline, a run took {max(took):.0f} s"
+                )
+                print(f"[run] {run.name} not started: {run.result['not_started']}", flush=True)
+                return run
+            run_began = time.perf_counter()
             phase_run(run, work, size, meta, args.device, extra)
             print(f"[run] {run.name} done ({run.result['train_seconds']:.0f} s)", flush=True)
             caches[scored_on].result()
             scorer.score(run)
+            took.append(time.perf_counter() - run_began)
         except Exception as exc:  # one failed recipe must not cost the others
             run.result["error"] = str(exc)
             print(f"[run] {run.name} FAILED: {exc}", flush=True)
@@ -396,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = timed("train", lambda: list(pool.map(train_one, runs)))
     extractor.shutdown(wait=True)
     pack_triton()
-    good = [r for r in runs if "error" not in r.result]
+    good = [r for r in runs if "error" not in r.result and "not_started" not in r.result]
     scorer.close()
     seconds["evaluate (during train)"] = round(scorer.seconds, 1)
     baselines = scorer.baselines
@@ -425,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
           f"recipe: {recipe}")  # fmt: skip
     if good:
         print_table(report)
-    return 0 if len(good) == len(runs) else 1
+    return 1 if any("error" in r.result for r in runs) else 0
 
 
 if __name__ == "__main__":

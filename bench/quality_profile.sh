@@ -8,7 +8,8 @@
 #   bash bench/quality_profile.sh W DEST SECONDS STEP [bench_quality.py flags...]
 #
 # e.g. `... /tmp/w $OUT/logs 545 400 --target code --size full --codecs fp8 --fractions 1 --seeds 1 --parallel 1`
-# (add `--unpack DIR` to start from a packed target and rows, `--pack $OUT/pack` to bring them back).
+# (add `--unpack DIR` to start from a packed target and rows, `--pack $OUT/pack` to bring them back, and
+# `--deadline S` with several seeds so that no run starts that would not end inside the call).
 # DEST gets progress.txt (time, step, phase), spy_raw.txt (30 s at 100 Hz, thread ids, idle frames) and
 # spy_gil.txt (the next 30 s, GIL holders only: read both with `python bench/spy_summary.py spy_raw.txt --gil
 # spy_gil.txt`), bench.tail (the benchmark's and the run's log tails), each run's metrics-RUN.jsonl, and the

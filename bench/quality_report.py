@@ -120,9 +120,11 @@ def summarize(runs: list[Run], base: dict[str, Any]) -> list[dict[str, Any]]:
     by_key: dict[tuple[str, str, float], dict[str, Any]] = {}
     for key in keys:
         name = f"{key[0]}: {key[1]}, {key[2]:.0%} rows"
-        group = [r for r in runs if (r.variant, r.codec, r.fraction) == key and "tau" in r.result]
+        of_key = [r for r in runs if (r.variant, r.codec, r.fraction) == key]
+        group = [r for r in of_key if "tau" in r.result]
         if not group:
-            by_key[key] = {"drafter": name, "failed": True}
+            skipped = all("not_started" in r.result for r in of_key)
+            by_key[key] = {"drafter": name, "not_started" if skipped else "failed": True}
             continue
         taus = np.array([r.result["tau"] for r in group])
         walks = np.array([r.result["tau_walk"] for r in group])
@@ -158,8 +160,9 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"{'untrained drafter':<34} {'-':>5} {untrained['tau']:>16.3f} {untrained['tau_walk']:>16.3f} "
           f"{untrained['tau_walk'] / lookup['tau_walk']:>11.2f} {'-':>11} {'-':>8}")  # fmt: skip
     for row in report["table"]:
-        if row.get("failed"):
-            print(f"{row['drafter']:<34} FAILED (see its log under --work)")
+        if row.get("failed") or row.get("not_started"):
+            why = "FAILED (see its log under --work)" if row.get("failed") else "not started (--deadline)"
+            print(f"{row['drafter']:<34} {why}")
             continue
         print(f"{row['drafter']:<34} {row['seeds']:>5} {row['tau']:>9.3f} ±{row['tau_spread']:<5.3f} "
               f"{row['tau_walk']:>9.3f} ±{row['tau_walk_spread']:<5.3f} {row['vs_lookup']:>11.2f} "

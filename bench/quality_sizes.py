@@ -270,3 +270,10 @@ def plan_runs(
                     run.dir = root / run.name
                     runs.append(run)
     return runs
+
+
+def starts_in_time(left: float, took: list[float]) -> bool:
+    """Whether another run may start with `left` seconds before `--deadline`: always before any run has ended
+    (nothing to go by), then only when the longest run so far would end in time. A device call kills what is
+    still running at its limit, and a run cut off leaves nothing but the device time it spent."""
+    return not took or max(took) <= left

@@ -82,6 +82,42 @@ def test_score_on_extracts_the_scoring_cache_without_training_on_it(tmp_path: Pa
     assert opened == [work / "cache-lossless"]  # the q4 drafter was scored on exact states
 
 
+def test_deadline_starts_no_run_the_runs_so_far_say_would_not_end_in_time(tmp_path: Path, capsys) -> None:
+    """A device call kills what still runs at its limit, losing the run and its device time: with --deadline
+    the first run always starts (nothing to go by), a later one only if the longest so far would end in time.
+    Here every run takes more than the whole deadline, so the second seed is reported as not started, its
+    group's row says so, and the benchmark still succeeds on the run it finished."""
+    assert quality_sizes.starts_in_time(10.0, []) and quality_sizes.starts_in_time(10.0, [4.0, 10.0])
+    assert not quality_sizes.starts_in_time(9.9, [4.0, 10.0]) and not quality_sizes.starts_in_time(
+        -1.0, [1.0]
+    )
+    work = tmp_path / "q"
+    argv = [
+        "--size",
+        "ci",
+        "--device",
+        "cpu",
+        "--work",
+        str(work),
+        "--codecs",
+        "lossless,fp8",
+        "--fractions",
+        "1",
+    ]
+    assert bench_quality.main([*argv, "--parallel", "1", "--deadline", "0.001"]) == 0
+    report = json.loads((work / "runs" / "quality.json").read_text())
+    done, skipped = report["runs"]
+    assert done["run"] == "base-lossless-f1-s0" and "tau_walk" in done and "not_started" not in done
+    assert (
+        skipped["run"] == "base-fp8-f1-s0"
+        and "tau" not in skipped
+        and "left before --deadline" in skipped["not_started"]
+    )
+    assert not (work / "runs" / "base-fp8-f1-s0").exists()
+    assert [row.get("not_started", False) for row in report["table"]] == [True, False]  # fp8 sorts first
+    assert "base: fp8, 100% rows" in capsys.readouterr().out.split("not started (--deadline)")[0]
+
+
 def test_first_seed_adds_seeds_to_an_earlier_experiment(tmp_path: Path) -> None:
     # `--first-seed 2 --seeds 1` plans only seed 2's runs, so a later session extends seeds 0-1 in place;
     # that seed then draws the curve and the data-size runs, as seed 0 does in a run of its own.

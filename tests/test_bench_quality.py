@@ -16,6 +16,11 @@ from bench.quality_report import SPLIT_CLASSES, print_split_table
 
 
 @pytest.mark.slow
+def _ci_argv(work: Path, *flags: str) -> list[str]:
+    """bench_quality's command line at the ci size on this CPU, in `work`."""
+    return ["--size", "ci", "--device", "cpu", "--work", str(work), *flags]
+
+
 def test_ci_size_runs_every_phase_and_reports_on_heldout_rows(tmp_path: Path, capsys) -> None:
     work = tmp_path / "q"
     assert bench_quality.main(["--size", "ci", "--device", "cpu", "--work", str(work)]) == 0
@@ -92,18 +97,7 @@ def test_deadline_starts_no_run_the_runs_so_far_say_would_not_end_in_time(tmp_pa
         -1.0, [1.0]
     )
     work = tmp_path / "q"
-    argv = [
-        "--size",
-        "ci",
-        "--device",
-        "cpu",
-        "--work",
-        str(work),
-        "--codecs",
-        "lossless,fp8",
-        "--fractions",
-        "1",
-    ]
+    argv = _ci_argv(work, "--codecs", "lossless,fp8", "--fractions", "1")
     assert bench_quality.main([*argv, "--parallel", "1", "--deadline", "0.001"]) == 0
     report = json.loads((work / "runs" / "quality.json").read_text())
     done, skipped = report["runs"]
@@ -329,18 +323,7 @@ def test_prose_target_trains_on_chat_rows_and_packs_into_its_own_folder(
 
     monkeypatch.setattr(bench_quality, "read_prose_corpus", no_corpus)
     again = tmp_path / "again"
-    argv = [
-        "--size",
-        "ci",
-        "--device",
-        "cpu",
-        "--work",
-        str(again),
-        "--target",
-        "prose",
-        "--unpack",
-        str(pack),
-    ]
+    argv = _ci_argv(again, "--target", "prose", "--unpack", str(pack))
     assert bench_quality.main([*argv, "--stop-after", "data"]) == 0
     for name in ("target/model.safetensors", "target/tokenizer.json", "data/rows.arrow"):
         assert (again / "prose" / name).read_bytes() == (work / "prose" / name).read_bytes()

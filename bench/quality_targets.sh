@@ -13,7 +13,9 @@
 # evaluation its runs logged (one metrics line per evaluation, after the run's name). Two files per target: a
 # device call (8 files back) polls all three targets and keeps two files of its own. Give `poll` less than the
 # call's limit minus its start (a call's output held in a pipe is lost when the limit kills it; DEST is not).
-# `poll` on a machine with no logs under W (not the one that ran `start`) ends at once with status 3.
+# `poll` on a machine with no logs under W (not the one that ran `start`) ends at once with status 3. Pack parts
+# in W/pack (`start ... --pack W/pack`) are copied into DEST too: a build that outlasts one call (the hybrid
+# target's, `--stop-after data`) comes back with the call that polls it to its end.
 # Two of three sessions' second calls landed on a fresh machine (BENCHMARKS.md, 2026-12-04): runs that outlast
 # one call are lost as often as not; plan them to fit one (`bench/quality_profile.sh` follows one inside a call).
 set -u
@@ -65,6 +67,10 @@ poll)
       q=$(find "$work/$t" -name quality.json 2>/dev/null | head -n 1)
       if [ -n "$q" ]; then cp "$q" "$dest/$t-quality.json"; fi
     done
+    # pack parts written by `--pack W/pack`: a target built across calls comes back with the call that sees
+    # its build end (a part copied mid-write fails its xz check when unpacked, it does not load wrong)
+    if [ -d "$work/pack" ]; then cp "$work"/pack/* "$dest"/ 2>/dev/null; fi
+    return 0
   }
   while :; do
     pending=0

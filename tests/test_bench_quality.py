@@ -585,12 +585,15 @@ def test_poll_copies_an_ended_runs_report_and_evaluations_then_stops(tmp_path: P
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     (work / "code" / "runs" / "quality.json").write_text('{"runs": []}')
     (work / "code.log").write_text("[train] 900 s\n== exit 0\n")
+    (work / "pack").mkdir()
+    (work / "pack" / "quality-work.txz.00").write_bytes(b"part")
     done = _poll(work, tmp_path / "dest")
     assert done.returncode == 0, done.stderr
     assert "base-fp8-f1-s0: step 1510; last eval step 1500, tau 5.0, tau_walk 3.9" in done.stdout
     tail = (tmp_path / "dest" / "code.log.tail").read_text()
     assert "== exit 0" in tail and '"tau_walk": 3.9' in tail
     assert json.loads((tmp_path / "dest" / "code-quality.json").read_text()) == {"runs": []}
+    assert (tmp_path / "dest" / "quality-work.txz.00").read_bytes() == b"part"  # `--pack W/pack` comes back
 
 
 def test_recipe_defaults_trains_what_dflash_train_does_with_no_recipe_flag(tmp_path: Path) -> None:

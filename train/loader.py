@@ -93,15 +93,14 @@ class LoadedBatch:
 
     def scalars(self) -> dict[str, Any]:
         """Every field but the batch and its event, as JSON values (what a loader worker sends beside it)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("batch", "ready")}
+        return {name: getattr(self, name) for name in _SCALAR_FIELDS}
 
     @classmethod
     def of_scalars(
         cls, batch: PackedBatch, scalars: dict[str, Any], ready: torch.cuda.Event | None = None
     ) -> LoadedBatch:
         """The inverse of `scalars` (JSON gives `slot_sums` back as a list)."""
-        names = {f.name for f in fields(cls)} - {"batch", "ready"}
-        values = {name: scalars[name] for name in names}
+        values = {name: scalars[name] for name in _SCALAR_FIELDS}
         return cls(batch=batch, ready=ready, **{**values, "slot_sums": tuple(values["slot_sums"])})
 
     def wait(self) -> PackedBatch:
@@ -113,6 +112,10 @@ class LoadedBatch:
                 t.record_stream(current)
             self.ready = None
         return self.batch
+
+
+# LoadedBatch's fields a loader worker sends as JSON (`scalars`): all but the batch and its CUDA event.
+_SCALAR_FIELDS = tuple(f.name for f in fields(LoadedBatch) if f.name not in ("batch", "ready"))
 
 
 @dataclass(slots=True)
@@ -368,6 +371,7 @@ class StreamingLoader:
     def _copier(self, built: queue.Queue, out: queue.Queue, put, stop: threading.Event) -> None:
         """Host-to-device copies on a side stream, one batch ahead of the consumer."""
         try:
+            one_torch_thread()
             stream = self._side_stream()
             while not stop.is_set():
                 try:
@@ -386,8 +390,7 @@ class StreamingLoader:
             put(out, exc)
 
     def _side_stream(self) -> torch.cuda.Stream:
-        """A copy thread's set-up: torch on itself alone, this loader's device, a stream of its own."""
-        one_torch_thread()
+        """A copy thread's device set-up: this loader's device, a stream of its own."""
         torch.cuda.set_device(self.device)  # a new thread starts on device 0
         return torch.cuda.Stream(device=self.device)
 

@@ -392,13 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     def train_one(run: Run) -> Run:
         try:
             caches[run.codec].result()
-            left = (args.deadline or 0) - (time.perf_counter() - began)
-            if args.deadline and not starts_in_time(left, took):
-                run.result["not_started"] = (
-                    f"{left:.0f} s left before --deadline, a run took {max(took):.0f} s"
-                )
-                print(f"[run] {run.name} not started: {run.result['not_started']}", flush=True)
-                return run
+            if args.deadline:
+                left = args.deadline - (time.perf_counter() - began)
+                if not starts_in_time(left, took):
+                    run.result["not_started"] = (
+                        f"{left:.0f} s left before --deadline, a run took {max(took):.0f} s"
+                    )
+                    print(f"[run] {run.name} not started: {run.result['not_started']}", flush=True)
+                    return run
             run_began = time.perf_counter()
             phase_run(run, work, size, meta, args.device, extra)
             print(f"[run] {run.name} done ({run.result['train_seconds']:.0f} s)", flush=True)

@@ -43,9 +43,17 @@ def dry_run_summary(config: ExtractConfig, run: PreparedRun) -> dict:
         report.tokens, len(report.rows), len(run.layers), run.target.hidden_size, planned_dtype(config)
     )
     last = run.target.num_hidden_layers - 1
-    with_last = estimate_cache_bytes(
-        report.tokens, len(report.rows), len(run.layers) + 1, run.target.hidden_size, planned_dtype(config)
-    )
+    cached = last in run.layers
+    extra_bytes = 0
+    if not cached:  # what adding the last layer to --layers would cost with this codec
+        with_last = estimate_cache_bytes(
+            report.tokens,
+            len(report.rows),
+            len(run.layers) + 1,
+            run.target.hidden_size,
+            planned_dtype(config),
+        )
+        extra_bytes = with_last[config.codec] - estimate[config.codec]
     free, probe = free_space(config.out)
     local_need = estimate[config.codec]
     if config.publish_to:  # published to object storage, the staging directory holds a few shards at a time
@@ -74,8 +82,8 @@ def dry_run_summary(config: ExtractConfig, run: PreparedRun) -> dict:
         # `dflash-train --distill` reads the target's last layer through its final norm and lm_head
         "distill": {
             "last_layer": last,
-            "cached": last in run.layers,
-            "extra_bytes": 0 if last in run.layers else with_last[config.codec] - estimate[config.codec],
+            "cached": cached,
+            "extra_bytes": extra_bytes,
         },
         "dtype": planned_dtype(config),
         "bytes_estimate": estimate,

@@ -45,6 +45,17 @@ def target_work(work: Path, kind: str) -> Path:
 _SPEED_ONLY = frozenset({"compile"})
 
 
+def nested_work(work_arg: Path, kind: str) -> str | None:
+    """Where `--work W` finds no target but `bench/quality_targets.sh start W` built one: it passes W/T as each
+    target's --work, so the hybrid's phases sit in W/hybrid/hybrid. Passing W would rebuild the target from
+    scratch beside them (ten minutes of a GPU call went so)."""
+    here, there = target_work(work_arg, kind), target_work(work_arg / kind, kind)
+    built = "target/bench_target.json"
+    if (here / built).is_file() or not (there / built).is_file():
+        return None
+    return f"{here} holds no target, {there} does (bench/quality_targets.sh's layout): pass --work {work_arg / kind}"
+
+
 def work_mismatch(work: Path, size: Size) -> str | None:
     """What in `work` was built for another size or target than `size` (phases are reused when their outputs
     exist, so a --work of another size would otherwise train and score drafters on the wrong target)."""
@@ -73,22 +84,26 @@ def pack(
     """`what`'s folders as xz-compressed tar parts small enough to travel back from a GPU machine (16 MiB a
     file: a full-size target and its rows need two). No parts (and nothing written) when the first folder is
     missing or empty, as a CPU run's Triton cache is."""
+    import io
     import tarfile
 
     names = PACKED[what]
     if not any((work / names[0]).glob("*")):
         return []
-    dest.mkdir(parents=True, exist_ok=True)
-    tar_path = dest / pack_name(kind, what)
-    with tarfile.open(tar_path, "w:xz", preset=6) as tar:
+    buffer = (
+        io.BytesIO()
+    )  # in memory (tens of MB), not in `dest`: a poll copying `dest` sees whole parts only
+    with tarfile.open(fileobj=buffer, mode="w:xz", preset=6) as tar:
         for name in names:
             tar.add(work / name, arcname=name)
-    blob = tar_path.read_bytes()
-    tar_path.unlink()
+    blob = buffer.getvalue()
+    dest.mkdir(parents=True, exist_ok=True)
     parts = []
     for i in range(0, len(blob), part_bytes):
-        part = dest / f"{tar_path.name}.{i // part_bytes:02d}"
-        part.write_bytes(blob[i : i + part_bytes])
+        part = dest / f"{pack_name(kind, what)}.{i // part_bytes:02d}"
+        hidden = part.with_name(f".{part.name}.tmp")  # `cp dest/*` passes it by; renamed when whole
+        hidden.write_bytes(blob[i : i + part_bytes])
+        hidden.replace(part)
         parts.append(part)
     return parts
 

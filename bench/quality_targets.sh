@@ -68,7 +68,7 @@ poll)
       if [ -n "$q" ]; then cp "$q" "$dest/$t-quality.json"; fi
     done
     # pack parts written by `--pack W/pack`: a target built across calls comes back with the call that sees
-    # its build end (a part copied mid-write fails its xz check when unpacked, it does not load wrong)
+    # its build end (`pack` writes each part under a hidden name and renames it whole: `*` copies whole parts)
     if [ -d "$work/pack" ]; then cp "$work"/pack/* "$dest"/ 2>/dev/null; fi
     return 0
   }

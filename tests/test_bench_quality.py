@@ -122,6 +122,31 @@ def test_first_seed_adds_seeds_to_an_earlier_experiment(tmp_path: Path) -> None:
     assert all(r.dir == tmp_path / r.name for r in runs)
 
 
+def test_gen_batch_generates_every_row_in_batches_of_that_many_and_records_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # The hybrid's rows took ~370 s in 17 batches of 1024 on the H200 (its decoding is bound by steps, not
+    # rows): --gen-batch trades the size's batch for fewer steps, and the rows it makes say which batch made them.
+    batches = []
+    generate = quality_data.greedy_continuations
+
+    def spy(target_dir, prompts, spec, pad_id, device):
+        batches.append(spec.gen_batch)
+        return generate(target_dir, prompts, spec, pad_id, device)
+
+    monkeypatch.setattr(bench_quality, "greedy_continuations", spy)
+    work = tmp_path / "q"
+    assert bench_quality.main(_ci_argv(work, "--stop-after", "data", "--gen-batch", "7")) == 0
+    data = bench_quality.SIZES["ci"].data
+    meta = json.loads((work / "data" / "rows.json").read_text())
+    assert batches == [7] and meta["gen_batch"] == 7 and meta["rows"] == data.train_rows + data.eval_rows
+    import pyarrow.ipc as ipc
+
+    table = ipc.open_file(str(work / "data" / "rows.arrow")).read_all()
+    answers = [sum(m) for m in table.column("loss_mask").to_pylist()]
+    assert answers == [data.new_tokens] * meta["rows"]
+
+
 def test_a_work_folder_of_another_size_or_target_is_refused_before_any_phase(tmp_path: Path) -> None:
     # Phases are reused when their outputs exist: a --work built at the ci size must not be trained and scored
     # as the cpu size's target (a run of 40 minutes on a 100k-parameter LM, tau_walk saturated at the block).
@@ -247,6 +272,61 @@ def _assert_scored(report: dict, target: str) -> None:
     b = bench_quality.SIZES["ci"].drafter.block_size
     assert lookup["eval_samples"] == run["eval_samples"] == bench_quality.SIZES["ci"].data.eval_rows
     assert 1.0 <= lookup["tau_walk"] <= b and 1.0 <= run["tau"] <= b and 1.0 <= run["tau_walk"] <= b
+
+
+def test_a_pack_shows_its_folder_whole_parts_only_while_it_writes(tmp_path: Path, monkeypatch) -> None:
+    """`quality_targets.sh poll` copies the pack folder every 30 s while the build runs: a whole tar or a part
+    half written there went back with a device call (one of its 8 files) and fails when unpacked."""
+    import tarfile
+
+    from bench.quality_pack import pack, unpack
+
+    dest = tmp_path / "pack"
+    seen: list[str] = []  # every name a `cp dest/*` could have copied while pack wrote
+    exposed: list[str] = []  # files written under the name a copy takes: copied half written
+
+    def visible() -> None:
+        if dest.is_dir():
+            seen.extend(p.name for p in dest.glob("*"))
+
+    add, write = tarfile.TarFile.add, Path.write_bytes
+
+    def spied_add(self: tarfile.TarFile, *args, **kwargs) -> None:
+        visible()  # while the tar is built
+        add(self, *args, **kwargs)
+
+    def spied_write(self: Path, data: bytes) -> int:
+        visible()
+        if self.parent == dest and not self.name.startswith("."):
+            exposed.append(self.name)
+        return write(self, data)
+
+    monkeypatch.setattr(tarfile.TarFile, "add", spied_add)
+    monkeypatch.setattr(Path, "write_bytes", spied_write)
+    work = tmp_path / "w"
+    (work / "target").mkdir(parents=True)
+    (work / "target" / "weights.bin").write_bytes(bytes(range(256)) * 512)
+    (work / "data").mkdir()
+    parts = pack(work, dest, part_bytes=100, kind="hybrid")
+    assert len(parts) > 2 and sorted(p.name for p in dest.iterdir()) == [p.name for p in parts]
+    assert set(seen) <= {p.name for p in parts} and not exposed, (seen, exposed)
+    assert unpack(dest, tmp_path / "w2", "hybrid")
+    assert (tmp_path / "w2" / "target" / "weights.bin").read_bytes() == bytes(range(256)) * 512
+
+
+def test_a_work_folder_above_quality_targets_layout_is_refused_not_rebuilt(tmp_path: Path) -> None:
+    # `quality_targets.sh start W hybrid` passes --work W/hybrid, so the target sits in W/hybrid/hybrid; a later
+    # `--work W --target hybrid` looked in W/hybrid, found no target and built another (a whole device call).
+    for kind, built in (("hybrid", "qt/hybrid/hybrid"), ("code", "qt/code")):
+        (tmp_path / built / "target").mkdir(parents=True)
+        (tmp_path / built / "target" / "bench_target.json").write_text("{}")
+        with pytest.raises(SystemExit) as refused:
+            bench_quality.main(_ci_argv(tmp_path / "qt", "--target", kind, "--stop-after", "data"))
+        message = str(refused.value)
+        assert message.startswith(f"error: --work {tmp_path / 'qt'}: ") and "\n" not in message
+        assert message.endswith(f"pass --work {tmp_path / 'qt' / kind}")
+        assert bench_quality.nested_work(tmp_path / "qt" / kind, kind) is None  # what it says to pass
+    assert not (tmp_path / "qt" / "tokens").exists() and not (tmp_path / "qt" / "hybrid" / "tokens").exists()
 
 
 @pytest.mark.slow

@@ -199,9 +199,10 @@ DEFAULTS_CURVE_EVERY = 1000
 
 def with_trainer_defaults(size: Size) -> Size:
     """`size` with its drafters trained on dflash-train's defaults (the recipe every target is measured on
-    for issue 29's "one default recipe"; at the full size code walked 1.71x prompt lookup over three seeds and
-    prose 1.45x over two, as far as the size's own recipe, BENCHMARKS.md). Refused where the defaults' block
-    size, anchors or pack budget differ from the size's: the evaluation is built from those."""
+    for issue 29's "one default recipe"; at the full size code walked 1.71x prompt lookup over three seeds,
+    prose 1.45x over two, as far as the size's own recipe, and the hybrid 1.35x over three, BENCHMARKS.md).
+    Refused where the defaults' block size, anchors or pack budget differ from the size's: the evaluation is
+    built from those."""
     drafter, loader, recipe = DraftSpec(), LoaderConfig(), size.drafter
     for name, ours, theirs in (
         ("block_size", recipe.block_size, drafter.block_size),

@@ -90,9 +90,8 @@ def pack(
     names = PACKED[what]
     if not any((work / names[0]).glob("*")):
         return []
-    buffer = (
-        io.BytesIO()
-    )  # in memory (tens of MB), not in `dest`: a poll copying `dest` sees whole parts only
+    # in memory (tens of MB), not in `dest`: a poll copying `dest` sees whole parts only
+    buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:xz", preset=6) as tar:
         for name in names:
             tar.add(work / name, arcname=name)

@@ -50,7 +50,7 @@ class TargetSpec:
     kind: str = "code"
     # A torch.compile mode for the training step's model ("default", "reduce-overhead", ...); None: eager. On
     # the H200 the hybrid's torch delta rule (the only one that trains there, `torch_delta_rule_for_training`)
-    # trained the full size's 2500 steps in 299 s eager (8.8 steps/s) and in 335 s with "reduce-overhead"
+    # trained the full size's 2500 steps in 283 s eager (8.8 steps/s) and in 317 s with "reduce-overhead"
     # (CUDA graphs: 15 steps/s after ~150 s of compiling; "default" once gave +17%), BENCHMARKS.md: the compile
     # costs more than it saves at this length, so it is off by default. A compiled build is another target
     # (other weights from the same seed), though `work_mismatch` takes it as the same shape.

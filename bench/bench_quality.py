@@ -61,7 +61,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_data import cut_prompts, greedy_continuations, read_corpus, write_rows
-from bench.quality_pack import TRITON_CACHE, nested_work, pack, target_work, unpack, work_mismatch
+from bench.quality_pack import (
+    TRITON_CACHE,
+    nested_work,
+    pack,
+    target_done,
+    target_work,
+    unpack,
+    work_mismatch,
+)
 from bench.quality_prose import ASSISTANT, CHAT_TOKENS, cut_chat_prompts, read_prose_corpus
 from bench.quality_report import Scorer, print_table, summarize
 from bench.quality_sizes import (
@@ -112,7 +120,7 @@ def phase_target(work: Path, size: Size, device: str, seed: int) -> tuple[dict[s
     from transformers import AutoTokenizer
 
     target, tokens = work / "target", work / "tokens"
-    done = target / "bench_target.json"
+    done = target_done(work)
     if done.is_file() and (work / "data" / "rows.json").is_file():  # nothing left that needs the corpus
         return json.loads(done.read_text()), None, [], []
     if (tokens / "corpus.json").is_file():

@@ -45,13 +45,17 @@ def target_work(work: Path, kind: str) -> Path:
 _SPEED_ONLY = frozenset({"compile"})
 
 
+def target_done(work: Path) -> Path:
+    """The file a target's build writes last (its spec and digests): its presence means the target is built."""
+    return work / "target" / "bench_target.json"
+
+
 def nested_work(work_arg: Path, kind: str) -> str | None:
     """Where `--work W` finds no target but `bench/quality_targets.sh start W` built one: it passes W/T as each
     target's --work, so the hybrid's phases sit in W/hybrid/hybrid. Passing W would rebuild the target from
     scratch beside them (ten minutes of a GPU call went so)."""
     here, there = target_work(work_arg, kind), target_work(work_arg / kind, kind)
-    built = "target/bench_target.json"
-    if (here / built).is_file() or not (there / built).is_file():
+    if target_done(here).is_file() or not target_done(there).is_file():
         return None
     return f"{here} holds no target, {there} does (bench/quality_targets.sh's layout): pass --work {work_arg / kind}"
 
@@ -59,7 +63,7 @@ def nested_work(work_arg: Path, kind: str) -> str | None:
 def work_mismatch(work: Path, size: Size) -> str | None:
     """What in `work` was built for another size or target than `size` (phases are reused when their outputs
     exist, so a --work of another size would otherwise train and score drafters on the wrong target)."""
-    done = work / "target" / "bench_target.json"
+    done = target_done(work)
     if done.is_file():
         built = json.loads(done.read_text()).get("spec", {})
         built.setdefault("kind", "code")  # written before there were other targets

@@ -127,6 +127,8 @@ def test_gen_batch_generates_every_row_in_batches_of_that_many_and_records_it(
 ) -> None:
     # The hybrid's rows took ~370 s in 17 batches of 1024 on the H200 (its decoding is bound by steps, not
     # rows): --gen-batch trades the size's batch for fewer steps, and the rows it makes say which batch made them.
+    import pyarrow.ipc as ipc
+
     batches = []
     generate = quality_data.greedy_continuations
 
@@ -140,8 +142,6 @@ def test_gen_batch_generates_every_row_in_batches_of_that_many_and_records_it(
     data = bench_quality.SIZES["ci"].data
     meta = json.loads((work / "data" / "rows.json").read_text())
     assert batches == [7] and meta["gen_batch"] == 7 and meta["rows"] == data.train_rows + data.eval_rows
-    import pyarrow.ipc as ipc
-
     table = ipc.open_file(str(work / "data" / "rows.arrow")).read_all()
     answers = [sum(m) for m in table.column("loss_mask").to_pylist()]
     assert answers == [data.new_tokens] * meta["rows"]

@@ -98,6 +98,7 @@ RUNS = {
         "launcher",
     ],
     "tiles": ["bench/bench_tiles.py", "--repeat", "1"],
+    "loader_end": ["bench/bench_loader_end.py", "--workers", "0,1", "--passes", "1", "--samples", "40"],
     "spy_summary_imports": ["bench/spy_summary.py", "--help"],
     "attention_imports": ["bench/bench_attention.py", "--help"],
     "target_ops": ["bench/target_ops.py", "--size", "ci"],

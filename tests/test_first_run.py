@@ -88,6 +88,24 @@ def test_progress_line_prints_every_interval_with_rate_and_eta() -> None:
     )
 
 
+def test_progress_lines_thin_out_over_a_long_run_to_one_a_minute() -> None:
+    clock, out = FakeClock(), io.StringIO()
+    progress = ProgressLine("train", None, "step", every_s=5.0, stream=out, clock=clock)
+
+    def lines_during(seconds: int) -> int:
+        before = len(out.getvalue().splitlines())
+        for _ in range(seconds):
+            clock.now += 1.0
+            progress.update(1)
+        return len(out.getvalue().splitlines()) - before
+
+    assert lines_during(300) == 60  # the first minutes: every 5 s
+    assert 200 < lines_during(3600) < 250  # the next hour: gaps of 1% of the elapsed time, 5 s to 39 s
+    assert 1440 < lines_during(86400) < 1460  # the first day's rest: soon a line a minute
+    assert lines_during(3600) == 60  # and a minute stays the gap, however long the run
+    assert progress.interval() == 60.0
+
+
 def test_progress_line_is_silent_for_quick_work_and_goes_to_the_current_stderr(monkeypatch) -> None:
     clock = FakeClock()
     progress = ProgressLine("generate", 10, "prompt", every_s=5.0, clock=clock)

@@ -109,9 +109,11 @@ def test_a_corrupt_sample_is_skipped_and_counted_or_stops_the_run_in_one_line(tm
     seen = [r for b, _ in items for r in b.rows]
     assert sorted(seen) == sorted(r for b, _ in threads for r in b.rows if r != bad_row)
     assert items[-1][1]["skipped_samples"] == 1 and "checksum" in loader.corrupt_messages[0]
+    failing = _loader(cache, 2, layer_ids=[1], heldout_fraction=0.0, epochs=1)
     with pytest.raises(ShardError, match=r"checksum mismatch.*--on-corrupt skip") as exc:
-        _collect(_loader(cache, 2, layer_ids=[1], heldout_fraction=0.0, epochs=1))
+        _collect(failing)
     assert "\n" not in str(exc.value)
+    assert sorted(failing.worker_exit_codes) == [0, 1]  # the failed worker's own exit status, not a kill
     assert _slot_files() == []
 
 

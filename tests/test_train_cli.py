@@ -134,6 +134,10 @@ def test_train_then_export_any_checkpoint(tmp_path: Path, capsys) -> None:
     )
     assert cli.main(argv) == 0
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    walks = [r["tau_walk"] for r in read_metrics(run) if "tau_walk" in r]
+    said = capsys.readouterr().out  # the end-of-run verdict: the best of the two evaluations' walks
+    assert len(walks) == 2 and f"drafter: held-out decode walk {max(walks):.3f} at step " in said, said
+    assert "x prompt lookup's " in said
     assert cli.main(["export", str(run), "--out", str(tmp_path / "e2"), "--step", "2"]) == 0
     assert cli.main(["export", str(run), "--out", str(tmp_path / "best"), "--best"]) == 0
     assert cli.main(["export", str(run), "--out", str(tmp_path / "latest")]) == 0

@@ -31,6 +31,8 @@ from .config import (
     paper_recipe,
     tiny_debug,
 )
+from .metrics import read_metrics
+from .verdict import evaluations, verdict
 
 PRESETS = {"default": default_recipe, "paper": paper_recipe, "tiny": tiny_debug}
 
@@ -306,6 +308,11 @@ def main_impl(argv: Sequence[str] | None) -> int:
             f"done: step {result.step}, checkpoint {result.last_checkpoint}"
             + (f", best decode walk {result.best_walk:.3f}" if result.best_walk is not None else "")
         )
+        optim = cfg.optim
+        for line in verdict(
+            evaluations(read_metrics(result.run_dir)), epochs=optim.epochs, max_steps=optim.max_steps
+        ):
+            print(line)
     return 0
 
 

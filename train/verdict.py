@@ -1,0 +1,78 @@
+"""What a finished run's held-out evaluations say: the drafter against prompt lookup, and whether its schedule
+was long enough.
+
+No one recipe fits every target: on the quality benchmark (BENCHMARKS.md) `dflash-train`'s 6 epochs left the
+hybrid target's walk still rising at the end (+2.3% over its last ~900 steps; ~9 epochs walked 1.47x prompt
+lookup against 1.35x), while prose's walk peaked mid-schedule. The decode walk is deterministic for given weights
+on the fixed held-out rows, so its trend within one run is a reading, not seed noise. Pure: it reads the
+evaluation records of `RUN/metrics.jsonl`; `dflash-train` prints its lines when the run ends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+TREND = 0.01  # a relative change in the walk that counts as rising or as a peak
+LATE = 0.75  # the trend is read from the evaluation nearest this share of the steps to the last one
+LONGER = 1.5  # the longer schedule to suggest (the benchmark's hybrid: 6 -> ~9 epochs)
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    step: int
+    walk: float
+    lookup: float | None  # prompt lookup's walk on the same rows
+
+
+def evaluations(records: Iterable[Mapping[str, Any]]) -> list[Evaluation]:
+    """The metrics records that carry a decode walk, in step order (a resumed run's repeats: the latest)."""
+    by_step: dict[int, Evaluation] = {}
+    for r in records:
+        walk = r.get("tau_walk")
+        if isinstance(walk, (int, float)) and math.isfinite(walk) and isinstance(r.get("step"), int):
+            lookup = r.get("tau_walk_lookup")
+            known = isinstance(lookup, (int, float)) and not isinstance(lookup, bool)
+            by_step[r["step"]] = Evaluation(r["step"], float(walk), float(lookup) if known else None)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def verdict(evals: list[Evaluation], *, epochs: int, max_steps: int | None) -> list[str]:
+    """Lines for the user: the best walk against prompt lookup's; then, over the schedule's last quarter,
+    whether the walk was still rising (a longer schedule may walk further) or peaked before the end. `epochs`
+    and `max_steps` are the run's: the one that ended it is the one to lengthen."""
+    if not evals:
+        return []
+    best = max(evals, key=lambda e: e.walk)  # the first of equals: RUN/export keeps the first best
+    last = evals[-1]
+    line = f"drafter: held-out decode walk {best.walk:.3f} at step {best.step} (RUN/export)"
+    if best.lookup:
+        ratio = best.walk / best.lookup
+        line += f", {ratio:.2f}x prompt lookup's {best.lookup:.3f}"
+        if ratio < 1:
+            line += ": prompt lookup (no drafter) walks further on these rows; serve with it, or train longer"
+    lines = [line]
+    if len(evals) < 2:
+        return lines  # no trend to read
+    before = min(evals[:-1], key=lambda e: abs(e.step - LATE * last.step))  # ~a quarter of the schedule back
+    if best is last and last.walk >= before.walk * (1 + TREND):
+        step_limited = max_steps is not None and last.step >= max_steps  # else the epochs ended it
+        longer = (
+            f"--max-steps {math.ceil(LONGER * max_steps)}"
+            if step_limited
+            else f"--epochs {math.ceil(LONGER * epochs)}"
+        )
+        lines.append(
+            f"schedule: the walk was still rising at the end ({before.walk:.3f} at step {before.step} -> "
+            f"{last.walk:.3f} at {last.step}, +{last.walk / before.walk - 1:.1%}): a longer schedule may walk "
+            f"further ({longer})"
+        )
+    elif best.step < last.step and best.walk >= last.walk * (1 + TREND):
+        lines.append(
+            f"schedule: the walk peaked at step {best.step} of {last.step} ({best.walk:.3f}, "
+            f"{best.walk / last.walk - 1:.1%} above the end's {last.walk:.3f}); RUN/export holds the peak, and a "
+            "shorter schedule would reach it sooner"
+        )
+    return lines

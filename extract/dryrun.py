@@ -16,7 +16,7 @@ from dflash.shards.sizes import size_text
 
 from .config import STAGED_UNITS, ExtractConfig
 from .plan import estimate_cache_bytes, plan_stats
-from .prepare import PreparedRun, prepare
+from .prepare import PreparedRun, planned_dtype, prepare
 
 
 def free_space(out: Path | None) -> tuple[int, Path]:
@@ -25,14 +25,6 @@ def free_space(out: Path | None) -> tuple[int, Path]:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     return shutil.disk_usage(probe).free, probe
-
-
-def planned_dtype(config: ExtractConfig) -> str:
-    """The dtype the run will compute in, as the pipeline resolves it ('auto': float32 on a CPU, else
-    bfloat16: the dry run does not look for a GPU)."""
-    if config.dtype != "auto":
-        return config.dtype
-    return "float32" if config.device == "cpu" else "bfloat16"
 
 
 def dry_run_summary(config: ExtractConfig, run: PreparedRun) -> dict:

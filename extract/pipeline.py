@@ -101,8 +101,9 @@ class _Setup:
 def _prepare(config: ExtractConfig, rank: RankInfo) -> _Setup:
     device = resolve_device(config.device, rank.local_rank)
     dtype = resolve_dtype(config.dtype, device)
-    run = prepare(config)
-    manifest = cache_manifest(config, run, compute_dtype=str(dtype).removeprefix("torch."))
+    compute_dtype = str(dtype).removeprefix("torch.")
+    run = prepare(config, compute_dtype)
+    manifest = cache_manifest(config, run, compute_dtype=compute_dtype)
     codec = get_codec(config.codec)
     meta = ShardMeta(codec=codec, layers=run.layers, hidden_size=run.target.hidden_size, dtype=manifest.dtype)
     return _Setup(config, rank, device, dtype, run, codec, manifest, meta)

@@ -36,8 +36,19 @@ class PreparedRun:
     seconds: dict[str, float]
 
 
-def prepare(config: ExtractConfig) -> PreparedRun:
-    """Read the target's config, resolve the layers, open + validate the dataset, plan batches and units."""
+def planned_dtype(config: ExtractConfig) -> str:
+    """The dtype the run will compute in, as the pipeline resolves it ('auto': float32 on a CPU, else
+    bfloat16: the dry run does not look for a GPU)."""
+    if config.dtype != "auto":
+        return config.dtype
+    return "float32" if config.device == "cpu" else "bfloat16"
+
+
+def prepare(config: ExtractConfig, compute_dtype: str | None = None) -> PreparedRun:
+    """Read the target's config, resolve the layers, open + validate the dataset, plan batches and units.
+
+    Units are sized by the bytes a token stores in `compute_dtype` (the run's resolved dtype; None: as
+    `planned_dtype` expects it): float32 states store ~2.4x bf16's losslessly."""
     target = read_target_config(config.target)
     layers = config.resolved_layers(target.num_hidden_layers)
     t0 = time.perf_counter()
@@ -54,7 +65,9 @@ def prepare(config: ExtractConfig) -> PreparedRun:
     batches = plan_batches(
         report.rows, report.lengths, token_budget=config.token_budget, pad_multiple=config.pad_multiple
     )
-    per_token = bytes_per_token(config.codec, len(layers), target.hidden_size)
+    per_token = bytes_per_token(
+        config.codec, len(layers), target.hidden_size, compute_dtype or planned_dtype(config)
+    )
     units = plan_units(batches, bytes_per_token=per_token, unit_bytes=config.unit_bytes)
     t3 = time.perf_counter()
     seconds = {"open": t1 - t0, "validate": t2 - t1, "plan": t3 - t2}

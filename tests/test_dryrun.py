@@ -251,3 +251,22 @@ def test_compile_flag_defaults_on_and_can_be_turned_off() -> None:
     base = ["--target", "t", "--dataset", "d", "--out", "o"]
     assert config_from_args(base).compile is True
     assert config_from_args([*base, "--no-compile"]).compile is False
+
+
+def test_work_units_are_sized_by_the_dtype_the_run_computes_in(setup):
+    """float32 states store ~2.4x bf16's losslessly (two low mantissa bytes a value hardly compress): planned
+    as bf16, a float32 run's units (and the disk check that sums them) came out 2.4x the asked size."""
+    from dflash.extract.prepare import prepare
+
+    _, ds, target, tmp_path = setup
+    common = f"--target {target} --dataset {ds} --out {tmp_path / 'c'} --unit-size 16MiB".split()
+    common += ["--token-budget", "128", "--max-len", "50"]  # ~30 batches of ~4.6 MB (bf16)
+    config = config_from_args(common)
+    bf16, fp32 = (prepare(config, dtype) for dtype in ("bfloat16", "float32"))
+    assert len(bf16.batches) == len(fp32.batches)  # the same batches, grouped into other units
+    bf16_bytes, fp32_bytes = (sum(u.est_bytes for u in run.units) for run in (bf16, fp32))
+    assert 2.2 < fp32_bytes / bf16_bytes < 2.6
+    assert 2.0 < len(fp32.units) / len(bf16.units) < 2.8
+    assert max(u.est_bytes for u in fp32.units) < 2 * (16 << 20)  # each within a batch of the asked size
+    auto_on_cpu = config_from_args([*common, "--dtype", "auto", "--device", "cpu"])
+    assert prepare(auto_on_cpu).units == fp32.units  # planned in what the run will compute in: float32

@@ -131,9 +131,12 @@ def test_the_demo_heartbeat_repeats_a_steps_latest_progress(tmp_path: Path) -> N
 
     assert steps.run("train", slow_step, lambda n: f"{n} steps") == 7
     lines = console.getvalue().splitlines()
+    # On a loaded box a beat can come before the step's first line (nothing to repeat: "running" alone) or
+    # between its last line and the step's end (it repeats that line).
     beats = [line for line in lines if "running" in line]
-    assert len(beats) >= 2, lines
-    assert all(b.endswith(": train 3/10 step (30%), 1.00 step/s, ETA 0:07") for b in beats), beats
+    progress = [b for b in beats if b.endswith(": train 3/10 step (30%), 1.00 step/s, ETA 0:07")]
+    assert len(progress) >= 2, lines
+    assert all(b in progress or b.endswith((" s", ": 7 steps")) for b in beats), beats
     assert lines[-1].startswith("[   train] 7 steps (")
     assert demo_steps.HEARTBEAT_S < 10  # the demo's promise: a line at least every 10 s
     log = (tmp_path / "logs" / "train.log").read_text()

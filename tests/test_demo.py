@@ -57,6 +57,12 @@ def test_quick_demo_summary_paths_and_export(quick_run) -> None:
     evals = [r for r in read_metrics(summary["run"]) if "tau" in r]
     assert evals[0]["step"] == 0 and evals[0]["tau"] == summary["tau_before"]  # the plots start untrained
     assert evals[-1]["step"] == spec.train_steps
+    # dflash-train's end-of-run reading, from the same records: the best walk is the exported step's
+    assert summary["verdict"][0].startswith(
+        f"drafter: held-out decode walk {summary['tau_walk_best_in_training']:.3f}"
+    )
+    printed = [line for line in _console(out).splitlines() if line.startswith("schedule: ")]
+    assert printed == summary["verdict"][1:]  # here none: the walk rose 0.3% over the last 60 of 120 steps
 
 
 def test_demo_is_deterministic(quick_run, tmp_path) -> None:

@@ -175,7 +175,8 @@ def _export_note(exported: float | None, best: float | None) -> str:
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run every step into `cfg.out`; returns the summary (also written to `OUT/summary.json`)."""
     from dflash.train.cli import build_config
-    from dflash.train.metrics import METRICS_FILE
+    from dflash.train.metrics import METRICS_FILE, read_metrics
+    from dflash.train.verdict import evaluations, verdict
 
     from .demo_commands import command_line, extract_argv, tokenize_argv, train_argv
     from .demo_eval import cached_layers, evaluate_drafter, untrained_drafter
@@ -280,6 +281,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         # RUN/export holds the best step's weights in bf16 (what servers load): its walk can differ from the
         # one training measured on the fp32 weights by bf16's rounding.
         "tau_walk_best_in_training": trained.best_walk,
+        # what dflash-train ends with: the walk against prompt lookup's, and the schedule's reading
+        "verdict": verdict(
+            evaluations(read_metrics(paths["run"])),
+            epochs=train_cfg.optim.epochs,
+            max_steps=train_cfg.optim.max_steps,
+        ),
         "commands": {name: command_line(f"dflash-{name}", argv, cfg.threads) for name, argv in argvs.items()},
         "size": asdict(spec),
         "seed": cfg.seed,
@@ -302,6 +309,8 @@ def _print_closing(s: dict[str, Any]) -> None:
         f"\ntau (mean accepted tokens per draft, held-out rows): {s['tau_before']:.2f} untrained -> "
         f"{s['tau_after']:.2f} trained (sampled anchors){walk}"
     )
+    for line in s["verdict"][1:]:  # the schedule's reading (the first line repeats the walks above)
+        print(line)
     print(f"plots:    {', '.join(s['plot_files']) or '(none)'}")
     print(f"drafter:  {s['export']}")
     print("the same steps from the command line (the demo runs them in-process; use a new --out):")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +33,7 @@ from .config import (
     tiny_debug,
 )
 from .metrics import read_metrics
+from .stop_signal import StopRequest, exit_code
 from .verdict import evaluations, verdict
 
 PRESETS = {"default": default_recipe, "paper": paper_recipe, "tiny": tiny_debug}
@@ -295,7 +297,8 @@ def main_impl(argv: Sequence[str] | None) -> int:
     from .trainer import train
 
     try:
-        result = train(cfg)
+        with StopRequest().installed() as stop:  # SIGTERM / SIGINT: a checkpoint at the next step, then exit
+            result = train(cfg, stop)
     except OSError as exc:  # metrics, an export: what a checkpoint's own save says (`save_checkpoint`)
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -303,6 +306,14 @@ def main_impl(argv: Sequence[str] | None) -> int:
             f"{exc.filename or cfg.out}: no space left on device; the checkpoints committed before are intact: "
             "free space, then continue with --resume"
         ) from None
+    if result.stopped_by is not None:  # every rank ends as the signal asked, after rank 0's checkpoint
+        if result.last_checkpoint is not None:
+            print(
+                f"{PROG}: stopped by {signal.Signals(result.stopped_by).name} after step {result.step}, "
+                f"checkpoint {result.last_checkpoint}: continue with the same command and --resume",
+                file=sys.stderr,
+            )
+        return exit_code(result.stopped_by)
     if result.last_checkpoint is not None:
         print(
             f"done: step {result.step}, checkpoint {result.last_checkpoint}"

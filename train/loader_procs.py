@@ -184,6 +184,14 @@ class ProcessLoader(StreamingLoader):
             except subprocess.TimeoutExpired:  # busy decoding a large batch: it writes nothing we still need
                 w.proc.kill()
                 w.proc.wait()
+            else:
+                if w.proc.returncode < 0:  # a signal from elsewhere ended it (the OOM killer, a stray kill)
+                    log.warning(
+                        "loader worker %d (pid %d) was ended by signal %d",
+                        w.index,
+                        w.proc.pid,
+                        -w.proc.returncode,
+                    )
             w.msg.close()
             for path in w.slots:  # a killed worker cannot remove its own
                 Path(path).unlink(missing_ok=True)

@@ -19,6 +19,7 @@ import json
 import logging
 import mmap
 import os
+import signal
 import sys
 import traceback
 from collections import deque
@@ -186,6 +187,10 @@ def main() -> int:
     # The parent logs what matters (skipped shards and samples) from the messages; only errors here.
     logging.basicConfig(level=logging.ERROR, format="dflash loader worker: %(message)s")
     torch.set_num_threads(1)
+    # A scheduler's SIGTERM (or a terminal's Ctrl-C) reaches the whole process group: the trainer then
+    # finishes its step and saves, which needs its workers; they end when it closes their pipe or dies.
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
     slots = Slots([])
     try:
         line = ctl.readline()

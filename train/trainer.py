@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from .run_parts import open_run, release_lock
 from .schedule import estimate_total_steps, lr_at
 from .slot_weights import ReachWeights
 from .startup import StartupClock, describe
+from .stop_signal import StopRequest
 
 log = logging.getLogger(__name__)
 EXPORT_DIR = "export"
@@ -69,6 +71,7 @@ class TrainResult:
     last_checkpoint: Path | None
     best_walk: float | None  # the best held-out decode walk (RUN/best's and RUN/export's)
     final_metrics: dict[str, Any]
+    stopped_by: int | None = None  # the signal that stopped the run early, after its checkpoint
 
 
 @dataclass(slots=True)
@@ -80,6 +83,7 @@ class StepResult:
     tokens: int
     grad_norm: torch.Tensor
     lr: float
+    stop: bool  # a rank was asked to stop (`StopRequest`): every rank stops after this step
 
 
 class Trainer:
@@ -94,8 +98,10 @@ class Trainer:
         drafter_cfg: DrafterConfig,
         spec: DataSpec,
         startup: StartupClock | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.cfg, self.info, self.cache, self.frozen = cfg, info, cache, frozen
+        self.stop = stop or StopRequest()  # one nobody signals unless the command line installed it
         self.drafter_cfg, self.spec = drafter_cfg, spec
         # Evaluation reads the drafter's own features only: distillation's teacher layer is for the loss.
         self.eval_spec = dataclasses.replace(spec, layer_ids=drafter_cfg.target_layer_ids)
@@ -139,13 +145,13 @@ class Trainer:
         self.startup.add("optimizer", time.perf_counter() - started)
 
     @classmethod
-    def build(cls, cfg: TrainConfig) -> Trainer:
+    def build(cls, cfg: TrainConfig, stop: StopRequest | None = None) -> Trainer:
         """The run's parts (`setup.open_run`: process group, run directory, seeds, the cache and its frozen
         target, checked against each other), then the drafter, before any step runs."""
         clock = StartupClock()
         run = open_run(cfg, clock)
         try:
-            trainer = cls(cfg, run.info, run.cache, run.frozen, run.drafter_cfg, run.spec, clock)
+            trainer = cls(cfg, run.info, run.cache, run.frozen, run.drafter_cfg, run.spec, clock, stop)
         except BaseException:
             run.cache.close()
             release_lock(run.lock)
@@ -209,7 +215,8 @@ class Trainer:
         over the micro-batches of every rank, so accumulation and world size do not change the gradient."""
         cfg, info, reach = self.cfg, self.info, self.reach
         local_weight = sum(m.weight_sum if reach is None else reach.weight_sum(m.slot_sums) for m in micro)
-        global_weight = all_reduce_sum([local_weight], info)[0]
+        # the stop request rides on the step's one collective, so every rank stops after the same step
+        global_weight, stops = all_reduce_sum([local_weight, float(self.stop.requested is not None)], info)
         normalizer = max(global_weight, 1e-12) / info.world_size  # DDP averages gradients over ranks
         loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
         for i, loaded in enumerate(micro):
@@ -251,7 +258,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         tokens = sum(m.tokens for m in micro if m.loss_scale)
-        return StepResult(loss_sum, local_weight, tokens, grad_norm, lr)
+        return StepResult(loss_sum, local_weight, tokens, grad_norm, lr, stops > 0)
 
     def evaluate(self) -> dict[str, Any]:
         """Held-out metrics (rank 0 only: the other ranks wait at the caller's barrier)."""
@@ -309,9 +316,10 @@ class Trainer:
         window, record, last_saved, started = LogWindow(), {}, None, time.perf_counter()
         startup: dict[str, float] | None = None  # this launch's set-up, until its first record holds it
         launch_start = self.step  # a resumed launch's first step is launch_start + 1
+        stopping = False
         try:
             lookahead, wait = _timed_next(batches)  # one batch ahead, so the last step is known when it runs
-            while lookahead is not None and self.step < self.max_steps:
+            while lookahead is not None and self.step < self.max_steps and not stopping:
                 # --- take grad_accum micro-batches (time blocked on the loader is data wait)
                 micro: list[LoadedBatch] = []
                 while lookahead is not None and len(micro) < cfg.optim.grad_accum:
@@ -326,8 +334,9 @@ class Trainer:
                     startup = self._finish_startup(logger, wait, step_started)
                 window.add(step.loss_sum, step.weight_sum, step.tokens, wait)
                 wait = 0.0
-                last = self.step >= self.max_steps or lookahead is None
-                do_eval = cfg.eval_every > 0 and (self.step % cfg.eval_every == 0 or last)
+                stopping = step.stop  # saved now, not evaluated: a grace period is short
+                last = self.step >= self.max_steps or lookahead is None or stopping
+                do_eval = cfg.eval_every > 0 and (self.step % cfg.eval_every == 0 or last) and not stopping
                 logged = self.step % max(cfg.log_every, 1) == 0 or last or do_eval
                 saving = bool(cfg.save_every and self.step % cfg.save_every == 0) or last
                 if logged or saving:
@@ -368,7 +377,8 @@ class Trainer:
             batches.close()  # joins the loader's threads before `close` closes the cache
             logger.close()
         self._report_skips(loader_state)
-        return TrainResult(self.step, self.run_dir, last_saved, self.best_walk, record)
+        stopped_by = (self.stop.requested or signal.SIGTERM) if stopping else None  # another rank's signal
+        return TrainResult(self.step, self.run_dir, last_saved, self.best_walk, record, stopped_by)
 
     def _open_logger(self) -> MetricsLogger:
         cfg, info = self.cfg, self.info
@@ -455,9 +465,10 @@ def _timed_next(batches: Iterator[Any]) -> tuple[Any, float]:
     return item, time.perf_counter() - t
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Build, resume (with `--resume`), train, close: the whole of `dflash-train`."""
-    trainer = Trainer.build(cfg)
+def train(cfg: TrainConfig, stop: StopRequest | None = None) -> TrainResult:
+    """Build, resume (with `--resume`), train, close: the whole of `dflash-train`. With `stop` installed, a
+    signal ends the run after its next step and a checkpoint there (`TrainResult.stopped_by`)."""
+    trainer = Trainer.build(cfg, stop)
     try:
         with trainer.startup.phase("resume"):
             trainer.resume()

@@ -334,8 +334,9 @@ class Trainer:
                     startup = self._finish_startup(logger, wait, step_started)
                 window.add(step.loss_sum, step.weight_sum, step.tokens, wait)
                 wait = 0.0
-                stopping = step.stop  # saved now, not evaluated: a grace period is short
-                last = self.step >= self.max_steps or lookahead is None or stopping
+                finished = self.step >= self.max_steps or lookahead is None
+                stopping = step.stop and not finished  # saved now, not evaluated: a grace period is short
+                last = finished or stopping
                 do_eval = cfg.eval_every > 0 and (self.step % cfg.eval_every == 0 or last) and not stopping
                 logged = self.step % max(cfg.log_every, 1) == 0 or last or do_eval
                 saving = bool(cfg.save_every and self.step % cfg.save_every == 0) or last

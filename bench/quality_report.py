@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash.train.verdict import evaluations, trend
+
 from bench.quality_sizes import Run, Size
 
 # dflash.train.lookup_split.CLASSES, spelled out: the report module imports no torch until a run is scored.
@@ -172,8 +174,19 @@ def print_table(report: dict[str, Any]) -> None:
         points = ", ".join(
             f"{p['step']}: {p['tau']:.2f}/{p.get('tau_walk', float('nan')):.2f}" for p in curve["points"]
         )
-        print(f"tau/tau_walk vs steps ({curve['run']}): {points}")
+        print(f"tau/tau_walk vs steps ({curve['run']}): {points}{_schedule(curve['points'])}")
     print("phases (s): " + ", ".join(f"{k} {v:.0f}" for k, v in report["seconds"].items()))
+
+
+def _schedule(points: list[dict[str, Any]]) -> str:
+    """'; still rising: +2.3% from step 3000' / '; peaked at step 2000, +1.1% over the end' (as dflash-train
+    reads its own run, `dflash.train.verdict.trend`), or nothing for a flat end."""
+    seen = trend(evaluations(points))
+    if seen is None:
+        return ""
+    if seen.kind == "rising":
+        return f"; still rising: {seen.change:+.1%} from step {seen.since.step}"
+    return f"; peaked at step {seen.since.step}, {seen.change:+.1%} over the end"
 
 
 def _signed_pct(x: float | None) -> str:

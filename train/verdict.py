@@ -39,14 +39,38 @@ def evaluations(records: Iterable[Mapping[str, Any]]) -> list[Evaluation]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def verdict(evals: list[Evaluation], *, epochs: int, max_steps: int | None) -> list[str]:
-    """Lines for the user: the best walk against prompt lookup's; then, over the schedule's last quarter,
-    whether the walk was still rising (a longer schedule may walk further) or peaked before the end. `epochs`
-    and `max_steps` are the run's: the one that ended it is the one to lengthen."""
-    if not evals:
-        return []
+@dataclass(frozen=True, slots=True)
+class Trend:
+    """The schedule's reading: `rising` (the last evaluation is the best, `change` above `since`, the one
+    nearest three quarters of the way) or `peaked` (the best, `since`, is `change` above the last)."""
+
+    kind: str
+    since: Evaluation
+    last: Evaluation
+    change: float
+
+
+def trend(evals: list[Evaluation]) -> Trend | None:
+    """Rising or peaked by more than TREND over the schedule's last quarter; None: flat, or too few points."""
+    if len(evals) < 2:
+        return None
     best = max(evals, key=lambda e: e.walk)  # the first of equals: RUN/export keeps the first best
     last = evals[-1]
+    before = min(evals[:-1], key=lambda e: abs(e.step - LATE * last.step))
+    if best is last and last.walk >= before.walk * (1 + TREND):
+        return Trend("rising", before, last, last.walk / before.walk - 1)
+    if best.step < last.step and best.walk >= last.walk * (1 + TREND):
+        return Trend("peaked", best, last, best.walk / last.walk - 1)
+    return None
+
+
+def verdict(evals: list[Evaluation], *, epochs: int, max_steps: int | None) -> list[str]:
+    """Lines for the user: the best walk against prompt lookup's; then the schedule's `trend`: still rising
+    (a longer schedule may walk further) or peaked before the end. `epochs` and `max_steps` are the run's: the
+    one that ended it is the one to lengthen."""
+    if not evals:
+        return []
+    best = max(evals, key=lambda e: e.walk)
     line = f"drafter: held-out decode walk {best.walk:.3f} at step {best.step} (RUN/export)"
     if best.lookup:
         ratio = best.walk / best.lookup
@@ -54,10 +78,9 @@ def verdict(evals: list[Evaluation], *, epochs: int, max_steps: int | None) -> l
         if ratio < 1:
             line += ": prompt lookup (no drafter) walks further on these rows; serve with it, or train longer"
     lines = [line]
-    if len(evals) < 2:
-        return lines  # no trend to read
-    before = min(evals[:-1], key=lambda e: abs(e.step - LATE * last.step))  # ~a quarter of the schedule back
-    if best is last and last.walk >= before.walk * (1 + TREND):
+    seen = trend(evals)
+    if seen is not None and seen.kind == "rising":
+        since, last = seen.since, seen.last
         step_limited = max_steps is not None and last.step >= max_steps  # else the epochs ended it
         longer = (
             f"--max-steps {math.ceil(LONGER * max_steps)}"
@@ -65,14 +88,14 @@ def verdict(evals: list[Evaluation], *, epochs: int, max_steps: int | None) -> l
             else f"--epochs {math.ceil(LONGER * epochs)}"
         )
         lines.append(
-            f"schedule: the walk was still rising at the end ({before.walk:.3f} at step {before.step} -> "
-            f"{last.walk:.3f} at {last.step}, +{last.walk / before.walk - 1:.1%}): a longer schedule may walk "
-            f"further ({longer})"
+            f"schedule: the walk was still rising at the end ({since.walk:.3f} at step {since.step} -> "
+            f"{last.walk:.3f} at {last.step}, +{seen.change:.1%}): a longer schedule may walk further ({longer})"
         )
-    elif best.step < last.step and best.walk >= last.walk * (1 + TREND):
+    elif seen is not None:
+        peak, last = seen.since, seen.last
         lines.append(
-            f"schedule: the walk peaked at step {best.step} of {last.step} ({best.walk:.3f}, "
-            f"{best.walk / last.walk - 1:.1%} above the end's {last.walk:.3f}); RUN/export holds the peak, and a "
-            "shorter schedule would reach it sooner"
+            f"schedule: the walk peaked at step {peak.step} of {last.step} ({peak.walk:.3f}, "
+            f"{seen.change:.1%} above the end's {last.walk:.3f}); RUN/export holds the peak, and a shorter "
+            "schedule would reach it sooner"
         )
     return lines

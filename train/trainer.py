@@ -9,7 +9,8 @@ read before anything is saved). The frozen weights' NaN/inf count runs once they
 (`guards.check_frozen_finite`), before they are cast to the compute dtype there.
 
 Each launch times its set-up to the end of its first step (`startup.StartupClock`): one INFO line then,
-and a `startup` entry in the launch's first metrics.jsonl record.
+and a `startup` entry in the launch's first metrics.jsonl record. A `stop_signal.StopRequest` (the command
+line's SIGTERM / SIGINT) ends `fit` after the step in which any rank saw it, with a checkpoint there.
 """
 
 from __future__ import annotations

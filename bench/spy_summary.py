@@ -32,7 +32,7 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("optimizer + clip", r"Optimizer|clip_grad|FiniteGuard\.record"),
     ("drafter forward (compiled regions)", r"DFlashDrafter\.forward"),
     ("waiting for a batch", r"LoadedBatch\.wait|_timed_next"),
-    ("logging + evaluation", r"MetricsLogger|Trainer\.evaluate|_evaluate_and_keep_best"),
+    ("logging + evaluation", r"MetricsLogger|Trainer\.evaluate"),
 )
 # Leaf frames of a thread that waits (a native thread with no Python frame counts as waiting too).
 IDLE = re.compile(

@@ -15,7 +15,7 @@ from dflash.shards.layers import (
 )
 from dflash.train.config import tiny_debug
 from dflash.train.export import load_drafter
-from dflash.train.trainer import train
+from dflash.train.loop import train
 
 from tests.common.fake_cache import TINY_TARGET, write_fake_cache
 

@@ -16,7 +16,8 @@ from dflash.train.config import tiny_debug
 from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask
 from dflash.train.slot_weights import ReachWeights, reach_weights
-from dflash.train.trainer import Trainer, train
+from dflash.train.loop import train
+from dflash.train.trainer import Trainer
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -120,7 +121,7 @@ def test_trainer_weighs_slots_and_checkpoints_the_state(cache_dir: Path, tmp_pat
         assert float(result.loss_sum) == pytest.approx(sum(float(e.loss_sum) for e in expected), rel=1e-5)
         blocks = sum(float(e.accept_at_least[0]) for e in expected)
         assert float(trainer.reach.tally[0]) == blocks > 0  # the step's blocks were tallied
-        saved = trainer._save_step(loader_state)
+        saved = trainer.save_step(loader_state)
     finally:
         trainer.close()
     meta = ckpt.read_json(saved / "meta.json")

@@ -271,7 +271,7 @@ def test_resume_refused_when_ranks_see_different_checkpoints(tmp_path: Path) -> 
         fake = SimpleNamespace(
             info=SimpleNamespace(world_size=len(steps), rank=rank),
             run_dir=tmp_path,
-            _reduce_sum=lambda values: [sum(steps), sum(s * s for s in steps)],
+            reduce_sum=lambda values: [sum(steps), sum(s * s for s in steps)],
         )
         Trainer._same_checkpoint_everywhere(fake, mine)  # type: ignore[arg-type]
 

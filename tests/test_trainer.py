@@ -20,7 +20,8 @@ from dflash.train.metrics import read_metrics
 from dflash.train.model import DFlashDrafter
 from dflash.train.schedule import lr_at
 from dflash.train.startup import PHASES
-from dflash.train.trainer import Trainer, train
+from dflash.train.loop import train
+from dflash.train.trainer import Trainer
 
 from tests.common.fake_cache import write_fake_cache
 from tests.common.train_cli import train_killed_at, train_resumed

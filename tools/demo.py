@@ -202,7 +202,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     with torch_threads(cfg.threads):
         from dflash.extract.cli import config_from_args
         from dflash.extract.pipeline import run_extraction
-        from dflash.train.trainer import train
+        from dflash.train.loop import train
 
         from . import tiny
         from .tokenize import config_from_args as tokenize_config

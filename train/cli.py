@@ -294,7 +294,7 @@ def main_impl(argv: Sequence[str] | None) -> int:
 
         print_plan(dry_run(cfg, world_size_from_env()))
         return 0
-    from .trainer import train
+    from .loop import train
 
     try:
         with StopRequest().installed() as stop:  # SIGTERM / SIGINT: a checkpoint at the next step, then exit

@@ -1,4 +1,5 @@
-"""The training loop: `Trainer.build` -> `resume` -> `fit` (train_step, log, evaluate, save) -> `close`.
+"""One run's parts and its step: `Trainer.build` -> `resume` -> `loop.fit` (which calls `train_step`,
+`evaluate_and_keep_best`, `save_step`) -> `close`.
 
 Everything that decides the trajectory (weights, optimizer, schedule position, data position, anchors,
 global RNGs) is in the checkpoint, so on the CPU a resumed run reproduces the uninterrupted losses bit
@@ -8,9 +9,8 @@ shard's identity when first opened (`Cache.shard`), a NaN/inf loss or gradient (
 read before anything is saved). The frozen weights' NaN/inf count runs once they are on the device
 (`guards.check_frozen_finite`), before they are cast to the compute dtype there.
 
-Each launch times its set-up to the end of its first step (`startup.StartupClock`): one INFO line then,
-and a `startup` entry in the launch's first metrics.jsonl record. A `stop_signal.StopRequest` (the command
-line's SIGTERM / SIGINT) ends `fit` after the step in which any rank saw it, with a checkpoint there.
+A `stop_signal.StopRequest` (the command line's SIGTERM / SIGINT) rides on `train_step`'s all-reduce, so
+every rank learns of it in the same step and the loop ends there, with a checkpoint.
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from dflash.shards import Cache, ManifestMismatch, ShardError
-from dflash.shards.atomic import atomic_write_json
 from dflash.shards.locks import FileLock
-from dflash.shards.storage import storage_retries
 
 from . import checkpoint as ckpt
 from .checkpoint_files import LOADER_FIELDS, CheckpointError, check_loader_state, read_meta
@@ -44,7 +41,6 @@ from .loader import LoadedBatch
 from .loader_procs import streaming_loader
 from .loss import Distill, drafter_loss
 from .mask import build_attention_mask
-from .metrics import LogWindow, MetricsLogger
 from .model import DFlashDrafter, DrafterConfig
 from .parallelize import (
     DistInfo,
@@ -58,21 +54,11 @@ from .parallelize import (
 from .run_parts import open_run, release_lock
 from .schedule import estimate_total_steps, lr_at
 from .slot_weights import ReachWeights
-from .startup import StartupClock, describe
+from .startup import StartupClock
 from .stop_signal import StopRequest
 
 log = logging.getLogger(__name__)
 EXPORT_DIR = "export"
-
-
-@dataclass(slots=True)
-class TrainResult:
-    step: int
-    run_dir: Path
-    last_checkpoint: Path | None
-    best_walk: float | None  # the best held-out decode walk (RUN/best's and RUN/export's)
-    final_metrics: dict[str, Any]
-    stopped_by: int | None = None  # the signal that stopped the run early, after its checkpoint
 
 
 @dataclass(slots=True)
@@ -88,7 +74,7 @@ class StepResult:
 
 
 class Trainer:
-    """One run's parts; `build` makes them, `fit` trains. `train_step` works on its own (tests call it)."""
+    """One run's parts; `build` makes them, `loop.fit` trains them. `train_step` works on its own (tests call it)."""
 
     def __init__(
         self,
@@ -202,7 +188,7 @@ class Trainer:
         """Every rank resumes from the same step: nodes without a shared filesystem each read their own run
         directory, and rank 0 alone writes checkpoints (copy its run directory to every node to resume)."""
         step = float(int(found.name.removeprefix("step_"))) if found is not None else -1.0
-        total, squares = self._reduce_sum([step, step * step])
+        total, squares = self.reduce_sum([step, step * step])
         world = self.info.world_size
         if squares / world - (total / world) ** 2 > 0.25:  # the steps differ between ranks
             seen = f"step {int(step)}" if found is not None else "no checkpoint"
@@ -305,117 +291,7 @@ class Trainer:
         gc.collect()
         shutdown(self.info)
 
-    # --- the loop -----------------------------------------------------------------------------------
-
-    def fit(self) -> TrainResult:
-        """Stream, step, log, evaluate, checkpoint until the data or the step budget ends."""
-        cfg = self.cfg
-        with self.startup.phase("logger"):
-            logger = self._open_logger()
-        batches = self.loader.iterate()
-        loader_state = self.loader.state_dict()
-        window, record, last_saved, started = LogWindow(), {}, None, time.perf_counter()
-        startup: dict[str, float] | None = None  # this launch's set-up, until its first record holds it
-        launch_start = self.step  # a resumed launch's first step is launch_start + 1
-        stopping = False
-        try:
-            lookahead, wait = _timed_next(batches)  # one batch ahead, so the last step is known when it runs
-            while lookahead is not None and self.step < self.max_steps and not stopping:
-                # --- take grad_accum micro-batches (time blocked on the loader is data wait)
-                micro: list[LoadedBatch] = []
-                while lookahead is not None and len(micro) < cfg.optim.grad_accum:
-                    micro.append(lookahead[0])
-                    loader_state = lookahead[1]
-                    lookahead, waited = _timed_next(batches)
-                    wait += waited
-                # --- step
-                step_started = time.perf_counter()
-                step = self.train_step(micro)
-                if self.step == launch_start + 1:  # this launch's first step
-                    startup = self._finish_startup(logger, wait, step_started)
-                window.add(step.loss_sum, step.weight_sum, step.tokens, wait)
-                wait = 0.0
-                finished = self.step >= self.max_steps or lookahead is None
-                stopping = step.stop and not finished  # saved now, not evaluated: a grace period is short
-                last = finished or stopping
-                do_eval = cfg.eval_every > 0 and (self.step % cfg.eval_every == 0 or last) and not stopping
-                logged = self.step % max(cfg.log_every, 1) == 0 or last or do_eval
-                saving = bool(cfg.save_every and self.step % cfg.save_every == 0) or last
-                if logged or saving:
-                    self.guard.check()  # synced with the log; before any checkpoint or export is written
-                # --- log (one small all-reduce on log steps)
-                if logged:
-                    record = {
-                        "step": self.step,
-                        "epoch": micro[-1].epoch,
-                        "lr": step.lr,
-                        "grad_norm": float(step.grad_norm),
-                        "skipped_shards": len(self.loader.bad_shards),  # every rank plans over every shard
-                        **storage_retries(),  # this rank's retried object-storage requests, when any
-                        **window.record(
-                            self._reduce_sum, self.info.world_size, loader_state["skipped_samples"]
-                        ),
-                    }
-                    if self.reach is not None:  # the next steps weigh slots by this window's acceptance
-                        record["slot_weights"] = [round(w, 4) for w in self.reach.update(self._reduce_sum)]
-                # --- evaluate (rank 0; the others wait at the barrier)
-                if do_eval:
-                    record = {**record, **self._evaluate_and_keep_best(loader_state)}
-                if record.get("step") == self.step and (cfg.log_every or do_eval):
-                    if startup is not None:
-                        record, startup = {**record, "startup": startup}, None
-                    logger.log(record)
-                    if do_eval:
-                        logger.refresh_plots()
-                logger.show_step(
-                    self.step, self.planned_steps, record, micro[-1].epoch, self.last_tau, started
-                )
-                # --- checkpoint (rank 0 writes; the others wait so nobody races ahead of a slow disk)
-                if saving:
-                    last_saved = self._save_step(loader_state) or last_saved
-                if logged:  # throughput windows exclude evaluation and checkpoint time
-                    window = LogWindow()
-        finally:
-            batches.close()  # joins the loader's threads before `close` closes the cache
-            logger.close()
-        self._report_skips(loader_state)
-        stopped_by = (self.stop.requested or signal.SIGTERM) if stopping else None  # another rank's signal
-        return TrainResult(self.step, self.run_dir, last_saved, self.best_walk, record, stopped_by)
-
-    def _open_logger(self) -> MetricsLogger:
-        cfg, info = self.cfg, self.info
-        logger = MetricsLogger(
-            self.run_dir,
-            enabled=info.is_main,
-            start_step=self.step,
-            total_steps=self.planned_steps,
-            tensorboard=cfg.tensorboard,
-            plots=cfg.plots,
-            progress=cfg.progress,
-        )
-        if info.is_main:
-            # For people to read; checkpoints' meta.json is what a resume trusts.
-            atomic_write_json(self.run_dir / "config.json", cfg.to_flat())
-            logger.write(
-                f"dflash-train: {self.model.num_parameters() / 1e6:.1f}M drafter params, layers "
-                f"{list(self.drafter_cfg.target_layer_ids)}, {self.cache.manifest.rows} cached rows, "
-                f"~{self.total_steps} steps, world {info.world_size}, "
-                f"{'resuming at step ' + str(self.step) if self.step else 'from scratch'}"
-            )
-        return logger
-
-    def _finish_startup(self, logger: MetricsLogger, wait: float, step_started: float) -> dict[str, float]:
-        """The set-up record, once per launch, after its first step (synced once on CUDA, so the step's
-        kernels are in it); its line goes to the log now."""
-        if self.info.device.type == "cuda":
-            torch.cuda.synchronize(self.info.device)
-        self.startup.add("first_batch", wait)
-        self.startup.add("first_step", time.perf_counter() - step_started)
-        record = self.startup.finish()
-        logger.write(describe(record))
-        return record
-
-    def _evaluate_and_keep_best(self, loader_state: dict[str, Any]) -> dict[str, Any]:
+    def evaluate_and_keep_best(self, loader_state: dict[str, Any]) -> dict[str, Any]:
         """Evaluate on rank 0; a new best decode walk writes RUN/best and RUN/export.
 
         The walk, not tau on sampled anchors, picks the drafter: it accepts along the path decoding takes, as a
@@ -433,10 +309,10 @@ class Trainer:
         barrier(self.info)
         return result
 
-    def _save_step(self, loader_state: dict[str, Any]) -> Path | None:
+    def save_step(self, loader_state: dict[str, Any]) -> Path | None:
         """RUN/checkpoints/step_N (every rank calls it: the skip count is summed over ranks first)."""
         skipped = all_reduce_sum([float(loader_state["skipped_samples"])], self.info)[0]
-        extra = {} if self.reach is None else {"slot_weights": self.reach.state_dict(self._reduce_sum)}
+        extra = {} if self.reach is None else {"slot_weights": self.reach.state_dict(self.reduce_sum)}
         saved = None
         if self.info.is_main:
             state = {**loader_state, "skipped_samples": int(skipped)}
@@ -446,38 +322,5 @@ class Trainer:
         barrier(self.info)
         return saved
 
-    def _reduce_sum(self, values: list[float]) -> list[float]:
+    def reduce_sum(self, values: list[float]) -> list[float]:
         return all_reduce_sum(values, self.info)
-
-    def _report_skips(self, loader_state: dict[str, Any]) -> None:
-        bad = self.loader.bad_shards
-        if bad or loader_state["skipped_samples"]:
-            log.warning(
-                "rank %d skipped %d corrupt samples and %d unreadable shards (%s)",
-                self.info.rank,
-                loader_state["skipped_samples"],
-                len(bad),
-                ", ".join(sorted(bad)) or "none",
-            )
-
-
-def _timed_next(batches: Iterator[Any]) -> tuple[Any, float]:
-    t = time.perf_counter()
-    item = next(batches, None)
-    return item, time.perf_counter() - t
-
-
-def train(cfg: TrainConfig, stop: StopRequest | None = None) -> TrainResult:
-    """Build, resume (with `--resume`), train, close: the whole of `dflash-train`. With `stop` installed, a
-    signal ends the run after its next step and a checkpoint there (`TrainResult.stopped_by`)."""
-    trainer = Trainer.build(cfg, stop)
-    try:
-        with trainer.startup.phase("resume"):
-            trainer.resume()
-        result = trainer.fit()
-        # Every rank done before any closes its connections: gloo aborts a peer whose pair closes under it
-        # ("terminate called without an active exception", seen on a loaded CPU box).
-        barrier(trainer.info)
-        return result
-    finally:
-        trainer.close()

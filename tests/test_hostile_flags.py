@@ -18,7 +18,7 @@ from dflash.shards.convert import ConvertConfig
 from dflash.tools.shards_cli import main as shards_main
 from dflash.tools.tiny import build_tiny_tokenizer, padded_vocab_size
 from dflash.train import cli as train_cli
-from dflash.train.config import load_config_file
+from dflash.train.config_file import load_config_file
 from dflash.train.data_spec import read_eval_rows
 from dflash.train.frozen import load_frozen_target
 from dflash.train.mask_token import check_mask_token_id, default_mask_token_id

@@ -13,10 +13,10 @@ import torch
 from dflash.train import checkpoint as ckpt
 from dflash.train.blocks import slot_weights
 from dflash.train.config import tiny_debug
+from dflash.train.loop import train
 from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask
 from dflash.train.slot_weights import ReachWeights, reach_weights
-from dflash.train.loop import train
 from dflash.train.trainer import Trainer
 from hypothesis import given
 from hypothesis import strategies as st

@@ -15,8 +15,8 @@ from dflash.shards import ShardReader
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import tiny_debug
 from dflash.train.data_plan import heldout_mask
-from dflash.train.metrics import read_metrics
 from dflash.train.loop import train
+from dflash.train.metrics import read_metrics
 
 from tests.common.fake_cache import corrupt_sample, write_fake_cache
 from tests.common.train_cli import tiny_train_argv, torchrun

@@ -14,13 +14,13 @@ from dflash.train import checkpoint as ckpt
 from dflash.train.config import tiny_debug
 from dflash.train.export import load_drafter
 from dflash.train.lookup_split import CLASSES
+from dflash.train.loop import train
 from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask
 from dflash.train.metrics import read_metrics
 from dflash.train.model import DFlashDrafter
 from dflash.train.schedule import lr_at
 from dflash.train.startup import PHASES
-from dflash.train.loop import train
 from dflash.train.trainer import Trainer
 
 from tests.common.fake_cache import write_fake_cache

@@ -28,10 +28,10 @@ from .config import (
     ON_CORRUPT_CHOICES,
     SLOT_WEIGHT_CHOICES,
     default_recipe,
-    load_config_file,
     paper_recipe,
     tiny_debug,
 )
+from .config_file import load_config_file
 from .metrics import read_metrics
 from .stop_signal import StopRequest, exit_code
 from .verdict import evaluations, verdict

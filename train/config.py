@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from dflash.shards.errors import ShardError
 from dflash.shards.layers import check_layer_ids
-from dflash.shards.safe_io import load_json, read_regular
 from dflash.shards.urls import check_url, default_local_dir, is_url, local_path
 
 ON_CORRUPT_CHOICES = ("skip", "fail")
@@ -27,7 +22,6 @@ ATTENTION_CHOICES = ("auto", "dense", "flex")  # see mask.choose_backend
 SLOT_WEIGHT_CHOICES = ("decay", "reach")  # see slot_weights.py
 REACH_FLOOR_GAMMA = 1.0  # `reach`'s floor decay when --gamma is not given (the CPU size's best fixed gamma)
 MAX_SEED = 2**32 - 1  # numpy's and torch's seeding both accept 0..2**32-1
-MAX_CONFIG_BYTES = 16 << 20  # a --config file is a few flags: anything bigger is not one
 
 
 def default_gamma(block_size: int) -> float:
@@ -244,15 +238,15 @@ class TrainConfig:
         return flat
 
 
-_SECTIONS: dict[str, type] = {"data": LoaderConfig, "drafter": DraftSpec, "optim": OptimConfig}
+SECTIONS: dict[str, type] = {"data": LoaderConfig, "drafter": DraftSpec, "optim": OptimConfig}
 
 
 def flat_keys() -> dict[str, str | None]:
     """Every accepted flat key -> its section name (None for top-level fields)."""
     keys: dict[str, str | None] = {}
     for f in dataclasses.fields(TrainConfig):
-        if f.name in _SECTIONS:
-            for g in dataclasses.fields(_SECTIONS[f.name]):
+        if f.name in SECTIONS:
+            for g in dataclasses.fields(SECTIONS[f.name]):
                 keys[g.name] = f.name
         else:
             keys[f.name] = None
@@ -263,7 +257,7 @@ def config_from_flat(values: Mapping[str, Any], base: TrainConfig | None = None)
     """Build a config from flat keys (dashes or underscores), on top of `base` or the defaults."""
     known = flat_keys()
     top: dict[str, Any] = {}
-    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     if base is not None:
         for key, value in base.to_flat().items():
             (sections[known[key]] if known[key] else top)[key] = value
@@ -279,7 +273,7 @@ def config_from_flat(values: Mapping[str, Any], base: TrainConfig | None = None)
     for name in ("cache", "out"):
         if name not in top:
             raise ValueError(f"{name} is required: pass --{name} or set it in the config file")
-    parts = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
+    parts = {name: cls(**sections[name]) for name, cls in SECTIONS.items()}
     return TrainConfig(**top, **parts)
 
 
@@ -295,104 +289,6 @@ def parse_layer_ids(value: Any) -> tuple[int, ...] | None:
                 f"target_layer_ids={value!r}: give comma-separated integers, e.g. 1,9,17,25,33"
             ) from None
     return tuple(int(v) for v in value)
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """A JSON or TOML file of flat keys that mirror the flags (`token_budget` or `token-budget`); each
-    known key's value is checked against its field's type here, so a mistake names the key and the file."""
-    path = Path(path)
-    try:
-        raw = read_regular(path, MAX_CONFIG_BYTES, "--config")  # refuses /dev/zero, FIFOs, directories
-    except ShardError as exc:
-        raise ValueError(str(exc)) from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"--config {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    if path.suffix == ".toml":
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            raise ValueError(f"{path}: TOML config files need Python >= 3.11; use JSON instead") from None
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"{path}: not valid TOML: {exc}") from None
-    else:
-        try:
-            data = load_json(text, str(path))  # depth-limited
-        except ShardError as exc:
-            raise ValueError(str(exc)) from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level must be a table/object of flag names to values")
-    types_of = _field_types()
-    for key, value in data.items():
-        name = key.replace("-", "_") if isinstance(key, str) else key
-        if name in types_of:  # unknown keys are named by config_from_flat
-            data[key] = _check_type(value, types_of[name], f"--config {path}: {key}")
-    return data
-
-
-def _field_types() -> dict[str, Any]:
-    """Every flat key -> its annotation, resolved (the module uses postponed annotations)."""
-    hints = typing.get_type_hints(TrainConfig)
-    for cls in _SECTIONS.values():
-        hints.update(typing.get_type_hints(cls))
-    return {name: hints[name] for name in flat_keys()}
-
-
-def _type_name(hint: Any) -> str:
-    args = typing.get_args(hint)
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return " or ".join(_type_name(a) for a in args)
-    if typing.get_origin(hint) is tuple:
-        return (
-            f"a list of {'integers' if args[0] is int else _type_name(args[0])} or a comma-separated string"
-        )
-    return {
-        bool: "true/false",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        type(None): "null",
-    }.get(hint, str(hint))
-
-
-def _check_type(value: Any, hint: Any, where: str) -> Any:
-    """`value` if it fits `hint` (ints become floats for float fields); else a ValueError naming `where`."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        if value is None and type(None) in typing.get_args(hint):
-            return None
-        for arm in typing.get_args(hint):
-            if arm is not type(None):
-                try:
-                    return _check_type(value, arm, where)
-                except ValueError:
-                    pass
-    elif hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
-            return value
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                return float(value)
-            except OverflowError:
-                pass
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    elif typing.get_origin(hint) is tuple:
-        item = typing.get_args(hint)[0]
-        if isinstance(value, str):
-            return value  # "1,9,17": parse_layer_ids reads it
-        if isinstance(value, (list, tuple)):
-            return [_check_type(v, item, where) for v in value]
-    shown = repr(value)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    raise ValueError(f"{where}={shown}: expected {_type_name(hint)}")
 
 
 # --- presets -------------------------------------------------------------------------------------

@@ -137,6 +137,30 @@ def test_resume_against_another_cache_is_refused(cache_dir: Path, tmp_path: Path
         train(tiny_debug(str(other), str(run), max_steps=4, resume=True, eval_every=0))
 
 
+def test_a_resume_that_lengthens_the_run_follows_the_longer_schedule(
+    cache_dir: Path, tmp_path: Path, caplog
+) -> None:
+    """`dflash-train --resume --epochs 4` on a finished 2-epoch run: the added epochs follow the 4-epoch cosine
+    (a fresh 4-epoch run's lr, step for step), not the 2-epoch schedule's floor, where lr 0 trains nothing."""
+    quiet = dict(eval_every=0, log_every=1, tensorboard=False, plots=False)
+    run, fresh = tmp_path / "run", tmp_path / "fresh"
+    first = train(tiny_debug(str(cache_dir), str(run), epochs=2, **quiet))
+    with caplog.at_level(logging.INFO, logger="dflash.train"):
+        resumed = train(tiny_debug(str(cache_dir), str(run), epochs=4, resume=True, **quiet))
+    train(tiny_debug(str(cache_dir), str(fresh), epochs=4, **quiet))
+    lrs = {r["step"]: r["lr"] for r in read_metrics(run)}
+    fresh_lrs = {r["step"]: r["lr"] for r in read_metrics(fresh)}
+    added = range(first.step + 1, resumed.step + 1)
+    assert resumed.step == 2 * first.step and len(fresh_lrs) == resumed.step
+    assert [lrs[s] for s in added] == pytest.approx([fresh_lrs[s] for s in added])
+    assert min(lrs[s] for s in added) > 0 and lrs[first.step + 1] > 10 * lrs[first.step]
+    line = next(r.getMessage() for r in caplog.records if "plans the lr schedule again" in r.getMessage())
+    assert "--epochs 2 -> 4" in line and f"ends near step {resumed.step} (was {first.step})" in line, line
+    # the checkpoint keeps the new length: the same command resumed again plans nothing
+    meta = json.loads((ckpt.latest_checkpoint(run) / "meta.json").read_text())
+    assert meta["total_steps"] == resumed.step
+
+
 def test_train_step_alone(cache_dir: Path, tmp_path: Path) -> None:
     trainer = Trainer.build(tiny_debug(str(cache_dir), str(tmp_path / "run"), grad_accum=2))
     try:

@@ -210,7 +210,7 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 # What a run trained with where its checkpoint lacks the key: defaults that changed since the key was added
 BEFORE_DEFAULTS = {"slot_weights": "decay"}
 
-# Settings a resume may change: they do not alter the trajectory (or only extend it).
+# Settings a resume may change: they do not alter the trajectory up to the checkpoint.
 RESUMABLE_KEYS = frozenset(
     {
         "cache",
@@ -232,7 +232,7 @@ RESUMABLE_KEYS = frozenset(
         "loader_threads",
         "loader_workers",
         "prefetch_batches",
-        "max_steps",
+        "max_steps",  # the run's length: a change plans the lr schedule again (`Trainer._resumed_schedule`)
         "epochs",
         "eval_samples",
     }

@@ -59,6 +59,7 @@ from .stop_signal import StopRequest
 
 log = logging.getLogger(__name__)
 EXPORT_DIR = "export"
+LENGTH_KEYS = ("epochs", "max_steps")  # the run's length: a resume that changes it plans the lr again
 
 
 @dataclass(slots=True)
@@ -177,12 +178,40 @@ class Trainer:
             raise CheckpointError(f"{exc}{ckpt.older_intact_hint(self.run_dir, found)}") from None
         self.loader.load_state_dict(loader_state)
         # a run from before the walk chose the best has none: its next evaluation writes RUN/best again
-        self.step, self.total_steps, self.best_walk = meta["step"], meta["total_steps"], meta.get("best_walk")
+        self.step, self.best_walk = meta["step"], meta.get("best_walk")
+        self.total_steps = self._resumed_schedule(meta)
         if self.reach is not None:
             if meta.get("slot_weights") is None:
                 raise CheckpointError(f"{found / 'meta.json'}: missing field 'slot_weights'")
             self.reach.load_state_dict(meta["slot_weights"], is_main=self.info.is_main)
         return True
+
+    def _resumed_schedule(self, meta: dict[str, Any]) -> int:
+        """The checkpoint's schedule length (a resume on another world size keeps its cosine), unless this
+        command changes the run's length (`--epochs`, `--max-steps`): then the cosine is planned again to the
+        new end. Kept, a finished run's added epochs would train at the old schedule's floor: lr 0 by default,
+        steps that change nothing."""
+        saved, now = meta["config"], self.cfg.to_flat()
+        changed = [
+            f"--{k.replace('_', '-')} {saved.get(k)} -> {now[k]}"
+            for k in LENGTH_KEYS
+            if saved.get(k) != now[k]
+        ]
+        if not changed:
+            return int(meta["total_steps"])
+        total = estimate_total_steps(self.cache.manifest, self.cfg, self.info.world_size)
+        if self.info.is_main:
+            before, after = (self._lr(self.step, t) for t in (int(meta["total_steps"]), total))
+            log.info(
+                "resume: %s plans the lr schedule again: it ends near step %d (was %d); step %d's lr %.3g -> %.3g",
+                ", ".join(changed),
+                total,
+                meta["total_steps"],
+                self.step,
+                before,
+                after,
+            )
+        return total
 
     def _same_checkpoint_everywhere(self, found: Path | None) -> None:
         """Every rank resumes from the same step: nodes without a shared filesystem each read their own run
@@ -229,13 +258,7 @@ class Trainer:
             if cfg.optim.grad_clip > 0
             else torch.tensor(float("nan"))
         )
-        lr = lr_at(
-            self.step,
-            base_lr=cfg.optim.lr,
-            warmup_steps=round(cfg.optim.warmup_frac * self.total_steps),
-            total_steps=self.total_steps,
-            min_lr_frac=cfg.optim.min_lr_frac,
-        )
+        lr = self._lr(self.step, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         clipped = grad_norm if cfg.optim.grad_clip > 0 else None  # else the guard computes the norm
@@ -246,6 +269,16 @@ class Trainer:
         self.step += 1
         tokens = sum(m.tokens for m in micro if m.loss_scale)
         return StepResult(loss_sum, local_weight, tokens, grad_norm, lr, stops > 0)
+
+    def _lr(self, step: int, total_steps: int) -> float:
+        optim = self.cfg.optim
+        return lr_at(
+            step,
+            base_lr=optim.lr,
+            warmup_steps=round(optim.warmup_frac * total_steps),
+            total_steps=total_steps,
+            min_lr_frac=optim.min_lr_frac,
+        )
 
     def evaluate(self) -> dict[str, Any]:
         """Held-out metrics (rank 0 only: the other ranks wait at the caller's barrier)."""

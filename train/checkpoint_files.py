@@ -83,8 +83,9 @@ def read_meta(ckpt: str | Path, require: Sequence[str] = ()) -> dict[str, Any]:
             json_object(meta[key], path, key)
     if meta.get("cache_shards") is not None:
         json_object(meta["cache_shards"], path, "cache_shards")
-    if "total_steps" in meta:
-        json_int(meta["total_steps"], path, "total_steps", low=1)
+    for key in ("total_steps", "world_size"):
+        if key in meta:
+            json_int(meta[key], path, key, low=1)
     json_number(meta.get("best_walk"), path, "best_walk", optional=True)
     epochs = meta.get("config", {}).get("epochs")
     if epochs is not None:

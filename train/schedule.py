@@ -17,16 +17,36 @@ def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min
     return base_lr * (min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def estimate_total_steps(manifest: Any, cfg: TrainConfig, world_size: int) -> int:
-    """Optimizer steps of the whole run from the manifest's totals (no shard is read).
-
-    Greedy packing fills a batch to about budget - mean_length/2; the estimate only shapes the
-    cosine tail, and is stored in the checkpoint so a resume keeps the same schedule.
-    """
+def batches_per_epoch(manifest: Any, cfg: TrainConfig) -> int:
+    """Global batches in one epoch, from the manifest's totals (no shard is read). Greedy packing fills a
+    batch to about budget - mean_length/2."""
     rows = max(1, manifest.rows)
     mean_len = min(manifest.tokens / rows, cfg.data.max_length)
     tokens = rows * mean_len * (1 - cfg.data.eval_fraction)
     per_batch = max(mean_len, cfg.data.token_budget - mean_len / 2)
-    batches = math.ceil(tokens / per_batch)
-    steps = math.ceil(batches / (world_size * cfg.optim.grad_accum)) * cfg.optim.epochs
+    return math.ceil(tokens / per_batch)
+
+
+def estimate_total_steps(manifest: Any, cfg: TrainConfig, world_size: int) -> int:
+    """Optimizer steps of the whole run. The estimate only shapes the cosine tail, and is stored in the
+    checkpoint so a resume keeps the same schedule."""
+    per_step = world_size * cfg.optim.grad_accum
+    steps = math.ceil(batches_per_epoch(manifest, cfg) / per_step) * cfg.optim.epochs
+    return _capped(steps, cfg)
+
+
+def resumed_total_steps(
+    manifest: Any, cfg: TrainConfig, world_size: int, *, step: int, epoch: int, next_index: int
+) -> int:
+    """Where a resumed run's data ends: its `step`s so far, then what is left of its epochs after global batch
+    `next_index` of `epoch` (the loader's position) at this world size. A resume that changes the run's
+    length or its world size ends its cosine here: on the checkpoint's end instead, a run resumed on fewer
+    GPUs (or for more epochs) would train its last steps at lr 0, and on more GPUs stop before its lr fell."""
+    per_epoch = batches_per_epoch(manifest, cfg)
+    done = epoch * per_epoch + min(next_index, per_epoch)
+    left = max(0, cfg.optim.epochs * per_epoch - done)
+    return _capped(step + math.ceil(left / (world_size * cfg.optim.grad_accum)), cfg)
+
+
+def _capped(steps: int, cfg: TrainConfig) -> int:
     return max(1, min(steps, cfg.optim.max_steps) if cfg.optim.max_steps else steps)

@@ -52,7 +52,7 @@ from .parallelize import (
     wrap_model,
 )
 from .run_parts import open_run, release_lock
-from .schedule import estimate_total_steps, lr_at
+from .schedule import estimate_total_steps, lr_at, resumed_total_steps
 from .slot_weights import ReachWeights
 from .startup import StartupClock
 from .stop_signal import StopRequest
@@ -179,27 +179,39 @@ class Trainer:
         self.loader.load_state_dict(loader_state)
         # a run from before the walk chose the best has none: its next evaluation writes RUN/best again
         self.step, self.best_walk = meta["step"], meta.get("best_walk")
-        self.total_steps = self._resumed_schedule(meta)
+        self.total_steps = self._resumed_schedule(meta, loader_state)
         if self.reach is not None:
             if meta.get("slot_weights") is None:
                 raise CheckpointError(f"{found / 'meta.json'}: missing field 'slot_weights'")
             self.reach.load_state_dict(meta["slot_weights"], is_main=self.info.is_main)
         return True
 
-    def _resumed_schedule(self, meta: dict[str, Any]) -> int:
-        """The checkpoint's schedule length (a resume on another world size keeps its cosine), unless this
-        command changes the run's length (`--epochs`, `--max-steps`): then the cosine is planned again to the
-        new end. Kept, a finished run's added epochs would train at the old schedule's floor: lr 0 by default,
-        steps that change nothing."""
+    def _resumed_schedule(self, meta: dict[str, Any], position: dict[str, Any]) -> int:
+        """The checkpoint's schedule length, unless this launch changes the run's length (`--epochs`,
+        `--max-steps`) or its world size: then the cosine is planned again to where the data now ends, from
+        the loader's `position` (`schedule.resumed_total_steps`). Kept, a finished run's added epochs trained
+        at lr 0 (the floor by default: steps that change nothing), as did the tail of a run resumed on fewer
+        GPUs."""
         saved, now = meta["config"], self.cfg.to_flat()
         changed = [
             f"--{k.replace('_', '-')} {saved.get(k)} -> {now[k]}"
             for k in LENGTH_KEYS
             if saved.get(k) != now[k]
         ]
+        world = self.info.world_size
+        saved_world = meta.get("world_size", world)  # an int >= 1 (`read_meta`)
+        if saved_world != world:
+            changed.append(f"world size {saved_world} -> {world}")
         if not changed:
             return int(meta["total_steps"])
-        total = estimate_total_steps(self.cache.manifest, self.cfg, self.info.world_size)
+        total = resumed_total_steps(
+            self.cache.manifest,
+            self.cfg,
+            world,
+            step=self.step,
+            epoch=position["epoch"],
+            next_index=position["next_index"],
+        )
         if self.info.is_main:
             before, after = (self._lr(self.step, t) for t in (int(meta["total_steps"]), total))
             log.info(

@@ -1,0 +1,68 @@
+"""The run's length in steps: planned from the manifest, and planned again where a resume changes it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from dflash.train.config import tiny_debug
+from dflash.train.schedule import batches_per_epoch, estimate_total_steps, resumed_total_steps
+
+MANIFEST = SimpleNamespace(rows=1000, tokens=256_000)  # 256-token rows
+
+
+def _cfg(**overrides):
+    return tiny_debug("cache", "out", token_budget=1728, max_length=1024, eval_fraction=0.0, **overrides)
+
+
+def test_a_resume_where_nothing_changed_plans_the_same_end() -> None:
+    cfg = _cfg(epochs=6)
+    per_epoch = batches_per_epoch(MANIFEST, cfg)
+    assert per_epoch == 160  # 256k tokens at 1728 - 128 a batch
+    total = estimate_total_steps(MANIFEST, cfg, world_size=4)
+    for step in (0, 40, 200):  # 4 ranks: 40 steps an epoch
+        epoch, index = divmod(4 * step, per_epoch)
+        assert resumed_total_steps(MANIFEST, cfg, 4, step=step, epoch=epoch, next_index=index) == total == 240
+
+
+@pytest.mark.parametrize(
+    ("world", "epochs", "expected"),
+    [
+        (2, 6, 100 + 280),  # half the ranks: the 560 batches left take twice the steps
+        (8, 6, 100 + 70),  # twice the ranks: half the steps
+        (4, 9, 100 + 260),  # three more epochs: 1040 batches left
+        (4, 2, 100),  # two epochs are already past: the run ends where it is
+    ],
+)
+def test_a_resume_ends_its_schedule_where_its_data_now_ends(world: int, epochs: int, expected: int) -> None:
+    # a 6-epoch run on 4 ranks stopped at step 100: 400 of its 960 batches done (epoch 2, batch 80)
+    cfg = _cfg(epochs=epochs)
+    assert resumed_total_steps(MANIFEST, cfg, world, step=100, epoch=2, next_index=80) == expected
+
+
+def test_max_steps_caps_a_resumed_schedule() -> None:
+    cfg = _cfg(epochs=9, max_steps=300)
+    assert resumed_total_steps(MANIFEST, cfg, 4, step=100, epoch=2, next_index=80) == 300
+    # a batch index past the estimate's epoch counts as the whole epoch
+    assert resumed_total_steps(MANIFEST, _cfg(epochs=3), 1, step=500, epoch=1, next_index=999) == 500 + 160
+
+
+def test_a_resume_on_another_world_size_plans_again_and_one_on_the_same_keeps_the_checkpoints() -> None:
+    from dflash.train.trainer import Trainer
+
+    cfg = _cfg(epochs=6)
+    meta = {"config": cfg.to_flat(), "total_steps": 237, "world_size": 4}  # the saved estimate is kept as is
+    position = {"epoch": 2, "next_index": 80}
+
+    def resumed_on(world: int) -> int:
+        fake = SimpleNamespace(
+            cfg=cfg,
+            info=SimpleNamespace(world_size=world, is_main=False),
+            cache=SimpleNamespace(manifest=MANIFEST),
+            step=100,
+        )
+        return Trainer._resumed_schedule(fake, meta, position)  # type: ignore[arg-type]
+
+    assert resumed_on(4) == 237
+    assert resumed_on(1) == 100 + 560  # else steps 238-660 trained at lr 0
+    assert resumed_on(8) == 100 + 70

@@ -169,8 +169,8 @@ def test_auto_chunks_are_equal_and_bounded() -> None:
 
 def test_compile_setting_reaches_the_config_and_a_resume_may_change_it() -> None:
     from dflash.shards import Manifest
-    from dflash.train.checkpoint import cache_identity, check_resume
     from dflash.train.cli import build_config
+    from dflash.train.resume_checks import cache_identity, check_resume
 
     on = build_config(["--cache", "c", "--out", "o"])
     off = build_config(["--cache", "c", "--out", "o", "--no-compile"])

@@ -6,7 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 from dflash.train.config import tiny_debug
-from dflash.train.schedule import batches_per_epoch, estimate_total_steps, resumed_total_steps
+from dflash.train.schedule import (
+    batches_per_epoch,
+    estimate_total_steps,
+    resumed_schedule,
+    resumed_total_steps,
+)
 
 MANIFEST = SimpleNamespace(rows=1000, tokens=256_000)  # 256-token rows
 
@@ -47,22 +52,14 @@ def test_max_steps_caps_a_resumed_schedule() -> None:
     assert resumed_total_steps(MANIFEST, _cfg(epochs=3), 1, step=500, epoch=1, next_index=999) == 500 + 160
 
 
-def test_a_resume_on_another_world_size_plans_again_and_one_on_the_same_keeps_the_checkpoints() -> None:
-    from dflash.train.trainer import Trainer
-
+def test_a_resume_plans_again_only_when_its_length_or_world_size_changed() -> None:
     cfg = _cfg(epochs=6)
-    meta = {"config": cfg.to_flat(), "total_steps": 237, "world_size": 4}  # the saved estimate is kept as is
+    meta = {"config": cfg.to_flat(), "step": 100, "total_steps": 237, "world_size": 4}  # 237: kept as saved
     position = {"epoch": 2, "next_index": 80}
-
-    def resumed_on(world: int) -> int:
-        fake = SimpleNamespace(
-            cfg=cfg,
-            info=SimpleNamespace(world_size=world, is_main=False),
-            cache=SimpleNamespace(manifest=MANIFEST),
-            step=100,
-        )
-        return Trainer._resumed_schedule(fake, meta, position)  # type: ignore[arg-type]
-
-    assert resumed_on(4) == 237
-    assert resumed_on(1) == 100 + 560  # else steps 238-660 trained at lr 0
-    assert resumed_on(8) == 100 + 70
+    assert resumed_schedule(meta, cfg, MANIFEST, 4, position) == (237, [])
+    assert resumed_schedule(meta, cfg, MANIFEST, 1, position) == (100 + 560, ["world size 4 -> 1"])
+    longer = _cfg(epochs=9, max_steps=300)
+    assert resumed_schedule(meta, longer, MANIFEST, 8, position) == (
+        100 + 130,
+        ["--epochs 6 -> 9", "--max-steps None -> 300", "world size 4 -> 8"],
+    )

@@ -75,7 +75,17 @@ def test_a_run_directory_with_checkpoints_needs_resume(cache: Path, tmp_path: Pa
     assert train_main([*tiny_train_argv(cache, run), "--dry-run"]) != 0
     assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
     plan = _plan(capsys, [*tiny_train_argv(cache, run), "--resume"])
-    assert "resumes its latest checkpoint" in plan["out"]
+    assert plan["out"].endswith("(resumes at step 2)")
+    # what the resume plans: the first run stopped at --max-steps 2, this command runs its epochs out
+    manifest = load_manifest(cache)
+    epochs = estimate_total_steps(manifest, build_config(tiny_train_argv(cache, run)), world_size=1)
+    assert plan["schedule"].startswith(f"~{epochs:,} optimizer steps")
+    assert plan["schedule"].endswith("the resume plans its cosine again to this end (--max-steps 2 -> None)")
+    same = _plan(capsys, [*tiny_train_argv(cache, run, "--max-steps", "2"), "--resume"])
+    assert same["schedule"].startswith("~2 optimizer steps") and "again" not in same["schedule"]
+    # and what it would refuse, in the run's own words
+    assert train_main([*tiny_train_argv(cache, run), "--resume", "--lr", "0.5", "--dry-run"]) != 0
+    assert "--resume with settings that change the trajectory: lr: " in capsys.readouterr().err
     assert sorted(os.listdir(run)) == before
     # The planned size is what a checkpoint weighs (its JSON files and headers aside).
     predicted = dry_run_module.dry_run(build_config([*tiny_train_argv(cache, run), "--resume"]))

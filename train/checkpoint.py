@@ -18,7 +18,6 @@ anything is loaded (`checkpoint_files.py`); optimizer and RNG states are flatten
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import shutil
 from collections.abc import Sequence
@@ -26,10 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash.shards import Manifest, diff_manifests
 from dflash.shards.atomic import commit_dir, fresh_temp_dir, restore_parked_dir
-from dflash.shards.errors import DiskFull, ManifestMismatch, ShardError
-from dflash.shards.manifest import PROVENANCE_FIELDS, canonical_json
+from dflash.shards.errors import DiskFull, ShardError
 from dflash.shards.tensor_io import save_tensors
 
 from .checkpoint_files import (
@@ -40,7 +37,6 @@ from .checkpoint_files import (
     read_meta,
     read_tensors,
 )
-from .config import TrainConfig
 from .train_state import optimizer_from_flat, optimizer_to_flat, rng_from_flat, rng_to_flat
 
 CHECKPOINT_DIR = "checkpoints"
@@ -203,107 +199,6 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
             f"{path}: weights do not match the drafter: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     model.load_state_dict(weights)
-
-
-# --- resume checks -------------------------------------------------------------------------------------
-
-# What a run trained with where its checkpoint lacks the key: defaults that changed since the key was added
-BEFORE_DEFAULTS = {"slot_weights": "decay"}
-
-# Settings a resume may change: they do not alter the trajectory up to the checkpoint.
-RESUMABLE_KEYS = frozenset(
-    {
-        "cache",
-        "out",
-        "resume",
-        "resume_from",
-        "shard_cache_dir",  # where a remote cache's copies are kept: another node keeps them elsewhere
-        "shard_cache_gb",
-        "device",
-        "attention",  # a kernel choice: both paths compute the same function
-        "compile",  # likewise
-        "eval_every",
-        "save_every",
-        "log_every",
-        "keep_checkpoints",
-        "tensorboard",
-        "plots",
-        "progress",
-        "loader_threads",
-        "loader_workers",
-        "prefetch_batches",
-        "max_steps",  # the run's length: a change plans the lr schedule again (`Trainer._resumed_schedule`)
-        "epochs",
-        "eval_samples",
-    }
-)
-
-
-def manifest_digest(manifest: Manifest) -> str:
-    """sha256 of what a run trains on: the cache's provenance and every shard's index checksum."""
-    d = manifest.to_dict()
-    keep = {k: d[k] for k in PROVENANCE_FIELDS} | {"shards": sorted(shard_checksums(manifest).items())}
-    return hashlib.sha256(canonical_json(keep)).hexdigest()
-
-
-def shard_checksums(manifest: Manifest) -> dict[str, str]:
-    return {s.name: s.index_checksum for s in manifest.shards}
-
-
-def cache_identity(manifest: Manifest) -> dict[str, Any]:
-    """The meta.json entries a resume compares with the cache it is given (`check_resume`)."""
-    d = manifest.to_dict()
-    return {
-        "manifest_sha256": manifest_digest(manifest),
-        "cache_provenance": {k: d[k] for k in PROVENANCE_FIELDS},
-        "cache_shards": shard_checksums(manifest),
-    }
-
-
-def check_resume(saved: dict[str, Any], cfg_flat: dict[str, Any], manifest: Manifest) -> None:
-    """Refuse a resume that would change the trajectory: other settings, or another cache (provenance,
-    or any shard added, removed or rewritten since the checkpoint), naming what differs."""
-    now = cfg_flat
-    # A setting added since the checkpoint was written trained it at its default of the time: today's, but
-    # for a default that changed since (BEFORE_DEFAULTS).
-    for key in ("config", "cache_provenance"):
-        if not isinstance(saved.get(key), dict):
-            raise CheckpointError(f"checkpoint meta.json: {key} must be a JSON object")
-    then = {**TrainConfig(cache="cache", out="run").to_flat(), **BEFORE_DEFAULTS, **saved["config"]}
-    changed = [
-        f"{k}: {then.get(k)!r} (checkpoint) != {now[k]!r}"
-        for k in sorted(now)
-        if k not in RESUMABLE_KEYS and then.get(k) != now[k]
-    ]
-    if changed:
-        # a run from before a default changed (BEFORE_DEFAULTS) resumes with the old value as a flag
-        flags = [
-            f"--{k.replace('_', '-')} {v}"
-            for k, v in BEFORE_DEFAULTS.items()
-            if then.get(k) == v != now.get(k)
-        ]
-        hint = f" (a run started before a default changed: add {' '.join(flags)})" if flags else ""
-        raise ValueError(
-            f"--resume with settings that change the trajectory: {'; '.join(changed)}; "
-            f"use the checkpoint's settings or start a new --out{hint}"
-        )
-    diffs = diff_manifests(saved["cache_provenance"], manifest.to_dict())
-    if diffs:
-        raise ManifestMismatch("--resume against a different cache", diffs)
-    if saved.get("manifest_sha256") != manifest_digest(manifest):
-        before, after = saved.get("cache_shards") or {}, shard_checksums(manifest)
-        shards = [
-            f"{name}: {before.get(name, 'absent')} (checkpoint) != {after.get(name, 'absent')}"
-            for name in sorted(set(before) | set(after))
-            if before.get(name) != after.get(name)
-        ]
-        raise ManifestMismatch(
-            "--resume against a cache whose shards changed since the checkpoint",
-            shards
-            or [
-                f"manifest_sha256: {saved.get('manifest_sha256')} (checkpoint) != {manifest_digest(manifest)}"
-            ],
-        )
 
 
 # --- finding and pruning -------------------------------------------------------------------------

@@ -5,8 +5,10 @@ without a GPU, a process group or a byte written.
     print_plan(plan)                    a short table of it
 
 Why: a training job waits in a queue for GPUs, then runs for days. A cache whose target/ was damaged, a
-layer list the cache does not hold, a mask id the tokenizer uses, or a disk too small for the checkpoints
-should be found on the login node, before any of that.
+layer list the cache does not hold, a mask id the tokenizer uses, a `--resume` whose settings or cache its
+checkpoint refuses, or a disk too small for the checkpoints should be found on the login node, before any of
+that. A resume's plan is its own: the step it resumes at, and where its schedule ends when the command changes
+the run's length or world size (`schedule.resumed_schedule`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from .checkpoint import resume_point
 from .config import TrainConfig
 from .guards import check_frozen_finite
 from .model import DFlashDrafter
+from .resume_checks import naming_older_intact, read_resume_state
 from .run_parts import check_resume_rule, check_run_unlocked, checked_parts
-from .schedule import estimate_total_steps
+from .schedule import estimate_total_steps, resumed_schedule
 from .startup import StartupClock
 
 # A checkpoint holds the fp32 master weights and AdamW's two fp32 moments per parameter; RUN/best only the
@@ -52,13 +55,18 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
     check_resume_rule(cfg)
     if resuming:
         check_run_unlocked(out)  # the run would be refused while another trainer writes it
-    if resuming and cfg.resume:
-        resume_point(out, cfg.resume_from)  # a --resume-from that is not one of the run's checkpoints
+    # a --resume-from that is not one of the run's checkpoints is refused here
+    found = resume_point(out, cfg.resume_from) if resuming and cfg.resume else None
     with cfg.open_cache() as cache:
         frozen, drafter_cfg, spec = checked_parts(cfg, cache, StartupClock())
         check_frozen_finite(cache, frozen)
         manifest = cache.manifest
-        total_steps = estimate_total_steps(manifest, cfg, world_size)
+        total_steps, resume_step, moved = estimate_total_steps(manifest, cfg, world_size), None, []
+        if found is not None:  # what the resume would refuse, and where its schedule would end
+            with naming_older_intact(out, found):
+                meta, position = read_resume_state(found, cfg.to_flat(), manifest)
+            resume_step = meta["step"]
+            total_steps, moved = resumed_schedule(meta, cfg, manifest, world_size, position)
         with torch.device("meta"):  # shapes only: no memory, no init
             params = sum(p.numel() for p in DFlashDrafter(drafter_cfg).parameters() if p.requires_grad)
         checkpoint = params * CHECKPOINT_BYTES_PER_PARAM
@@ -93,6 +101,8 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
             "heldout_rows": len(spec.heldout_rows),
             "out": str(out),
             "resume": bool(resuming and cfg.resume),
+            "resume_step": resume_step,  # None: a new run, or a --resume with no checkpoint yet
+            "schedule_moved": moved,  # what moves a resumed run's end from its checkpoint's (none: kept)
             "checkpoint_bytes": checkpoint,
             "checkpoints_disk_bytes": checkpoints_disk,
             "free_bytes": _free_bytes(out),
@@ -104,6 +114,16 @@ def print_plan(plan: dict[str, Any]) -> None:
     steps = f"~{plan['total_steps']:,} optimizer steps ({plan['epochs']} epochs"
     steps += f", capped by --max-steps {plan['max_steps']}" if plan["max_steps"] else ""
     steps += f", world {plan['world_size']}), warmup {plan['warmup_steps']:,}, lr {plan['lr']:g}"
+    if plan["schedule_moved"]:
+        steps += f"; the resume plans its cosine again to this end ({', '.join(plan['schedule_moved'])})"
+    resumes = "a new run"
+    if plan["resume"]:
+        step = plan["resume_step"]
+        resumes = (
+            "resumes at step " + f"{step:,}"
+            if step is not None
+            else "--resume, no checkpoint yet: from scratch"
+        )
     held = f"{plan['heldout_fraction']:.1%} of the rows"
     held += f" and {plan['heldout_rows']:,} rows from --eval-rows" if plan["heldout_rows"] else ""
     lines = [
@@ -129,7 +149,7 @@ def print_plan(plan: dict[str, Any]) -> None:
             f"{size_text(plan['checkpoint_bytes'])} each, up to {size_text(plan['checkpoints_disk_bytes'])} on disk; "
             f"{size_text(plan['free_bytes'])} free under {plan['out']}: {'fits' if fits else 'DOES NOT FIT'}",
         ),
-        ("out", f"{plan['out']} ({'resumes its latest checkpoint' if plan['resume'] else 'a new run'})"),
+        ("out", f"{plan['out']} ({resumes})"),
     ]
     for name, text in lines:
         print(f"{name:12s}{text}")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from .config import TrainConfig
+
+LENGTH_KEYS = ("epochs", "max_steps")  # the run's length: a resume that changes it plans the cosine again
 
 
 def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min_lr_frac: float) -> float:
@@ -46,6 +49,32 @@ def resumed_total_steps(
     done = epoch * per_epoch + min(next_index, per_epoch)
     left = max(0, cfg.optim.epochs * per_epoch - done)
     return _capped(step + math.ceil(left / (world_size * cfg.optim.grad_accum)), cfg)
+
+
+def resumed_schedule(
+    meta: Mapping[str, Any], cfg: TrainConfig, manifest: Any, world_size: int, position: Mapping[str, int]
+) -> tuple[int, list[str]]:
+    """A resumed run's total steps, and what this launch changed to move its end (none: the checkpoint's own
+    total, kept as saved). A new length (`--epochs`, `--max-steps`) or world size ends the cosine where the
+    data now ends, from the checkpoint's `step` and the loader's `position` (`resumed_total_steps`)."""
+    saved, now = meta["config"], cfg.to_flat()
+    changed = [
+        f"--{k.replace('_', '-')} {saved.get(k)} -> {now[k]}" for k in LENGTH_KEYS if saved.get(k) != now[k]
+    ]
+    saved_world = meta.get("world_size", world_size)
+    if saved_world != world_size:
+        changed.append(f"world size {saved_world} -> {world_size}")
+    if not changed:
+        return int(meta["total_steps"]), []
+    total = resumed_total_steps(
+        manifest,
+        cfg,
+        world_size,
+        step=meta["step"],
+        epoch=position["epoch"],
+        next_index=position["next_index"],
+    )
+    return total, changed
 
 
 def _capped(steps: int, cfg: TrainConfig) -> int:

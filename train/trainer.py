@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash.shards import Cache, ManifestMismatch, ShardError
+from dflash.shards import Cache
 from dflash.shards.locks import FileLock
 
 from . import checkpoint as ckpt
-from .checkpoint_files import LOADER_FIELDS, CheckpointError, check_loader_state, read_meta
+from .checkpoint_files import CheckpointError
 from .compiled import speed_up
 from .config import TrainConfig
 from .data_spec import DataSpec
@@ -51,15 +51,15 @@ from .parallelize import (
     shutdown,
     wrap_model,
 )
+from .resume_checks import cache_identity, naming_older_intact, read_resume_state
 from .run_parts import open_run, release_lock
-from .schedule import estimate_total_steps, lr_at, resumed_total_steps
+from .schedule import estimate_total_steps, lr_at, resumed_schedule
 from .slot_weights import ReachWeights
 from .startup import StartupClock
 from .stop_signal import StopRequest
 
 log = logging.getLogger(__name__)
 EXPORT_DIR = "export"
-LENGTH_KEYS = ("epochs", "max_steps")  # the run's length: a resume that changes it plans the lr again
 
 
 @dataclass(slots=True)
@@ -165,65 +165,33 @@ class Trainer:
             if self.cfg.resume:
                 log.warning("--resume: %s holds no checkpoint yet; starting from scratch", self.run_dir)
             return False
-        try:  # every file checked: a damaged one is one line, naming the checkpoint to fall back on
-            meta = read_meta(found, require=("config", "total_steps", "cache_provenance"))
-            ckpt.check_resume(meta, self.cfg.to_flat(), self.cache.manifest)
-            meta, loader_state = ckpt.load_checkpoint(
+        with naming_older_intact(self.run_dir, found):  # every file checked: a damaged one is one line
+            meta, loader_state = read_resume_state(found, self.cfg.to_flat(), self.cache.manifest)
+            ckpt.load_checkpoint(
                 found, model=self.model, optimizer=self.optimizer, param_names=self.param_names
             )
-            check_loader_state(loader_state, found / "loader.json", require=LOADER_FIELDS)
-        except (CheckpointError, ShardError) as exc:
-            if isinstance(exc, ManifestMismatch):  # the cache changed: an older checkpoint would not help
-                raise
-            raise CheckpointError(f"{exc}{ckpt.older_intact_hint(self.run_dir, found)}") from None
         self.loader.load_state_dict(loader_state)
         # a run from before the walk chose the best has none: its next evaluation writes RUN/best again
         self.step, self.best_walk = meta["step"], meta.get("best_walk")
-        self.total_steps = self._resumed_schedule(meta, loader_state)
+        saved_total = meta["total_steps"]
+        self.total_steps, changed = resumed_schedule(
+            meta, self.cfg, self.cache.manifest, self.info.world_size, loader_state
+        )
+        if changed and self.info.is_main:  # the cosine ends where the data now does, not at the saved end
+            log.info(
+                "resume: %s plans the lr schedule again: it ends near step %d (was %d); step %d's lr %.3g -> %.3g",
+                ", ".join(changed),
+                self.total_steps,
+                saved_total,
+                self.step,
+                self._lr(self.step, saved_total),
+                self._lr(self.step, self.total_steps),
+            )
         if self.reach is not None:
             if meta.get("slot_weights") is None:
                 raise CheckpointError(f"{found / 'meta.json'}: missing field 'slot_weights'")
             self.reach.load_state_dict(meta["slot_weights"], is_main=self.info.is_main)
         return True
-
-    def _resumed_schedule(self, meta: dict[str, Any], position: dict[str, Any]) -> int:
-        """The checkpoint's schedule length, unless this launch changes the run's length (`--epochs`,
-        `--max-steps`) or its world size: then the cosine is planned again to where the data now ends, from
-        the loader's `position` (`schedule.resumed_total_steps`). Kept, a finished run's added epochs trained
-        at lr 0 (the floor by default: steps that change nothing), as did the tail of a run resumed on fewer
-        GPUs."""
-        saved, now = meta["config"], self.cfg.to_flat()
-        changed = [
-            f"--{k.replace('_', '-')} {saved.get(k)} -> {now[k]}"
-            for k in LENGTH_KEYS
-            if saved.get(k) != now[k]
-        ]
-        world = self.info.world_size
-        saved_world = meta.get("world_size", world)  # an int >= 1 (`read_meta`)
-        if saved_world != world:
-            changed.append(f"world size {saved_world} -> {world}")
-        if not changed:
-            return int(meta["total_steps"])
-        total = resumed_total_steps(
-            self.cache.manifest,
-            self.cfg,
-            world,
-            step=self.step,
-            epoch=position["epoch"],
-            next_index=position["next_index"],
-        )
-        if self.info.is_main:
-            before, after = (self._lr(self.step, t) for t in (int(meta["total_steps"]), total))
-            log.info(
-                "resume: %s plans the lr schedule again: it ends near step %d (was %d); step %d's lr %.3g -> %.3g",
-                ", ".join(changed),
-                total,
-                meta["total_steps"],
-                self.step,
-                before,
-                after,
-            )
-        return total
 
     def _same_checkpoint_everywhere(self, found: Path | None) -> None:
         """Every rank resumes from the same step: nodes without a shared filesystem each read their own run
@@ -309,7 +277,7 @@ class Trainer:
             "drafter": dataclasses.asdict(self.drafter_cfg),
             "total_steps": self.total_steps,
             "world_size": self.info.world_size,
-            **ckpt.cache_identity(self.cache.manifest),
+            **cache_identity(self.cache.manifest),
             "best_walk": self.best_walk,
             **(extra or {}),
         }

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
 from dflash.train.config import tiny_debug
 from dflash.train.schedule import (
+    Schedule,
     batches_per_epoch,
     estimate_total_steps,
     resumed_schedule,
@@ -54,12 +56,35 @@ def test_max_steps_caps_a_resumed_schedule() -> None:
 
 def test_a_resume_plans_again_only_when_its_length_or_world_size_changed() -> None:
     cfg = _cfg(epochs=6)
-    meta = {"config": cfg.to_flat(), "step": 100, "total_steps": 237, "world_size": 4}  # 237: kept as saved
+    meta = {"config": cfg.to_flat(), "step": 100, "total_steps": 237, "world_size": 4, "finished": False}
     position = {"epoch": 2, "next_index": 80}
-    assert resumed_schedule(meta, cfg, MANIFEST, 4, position) == (237, [])
-    assert resumed_schedule(meta, cfg, MANIFEST, 1, position) == (100 + 560, ["world size 4 -> 1"])
+    assert resumed_schedule(meta, cfg, MANIFEST, 4, position) == (Schedule(237), [])  # kept as saved
+    assert resumed_schedule(meta, cfg, MANIFEST, 1, position) == (Schedule(100 + 560), ["world size 4 -> 1"])
     longer = _cfg(epochs=9, max_steps=300)
     assert resumed_schedule(meta, longer, MANIFEST, 8, position) == (
-        100 + 130,
+        Schedule(100 + 130),
         ["--epochs 6 -> 9", "--max-steps None -> 300", "world size 4 -> 8"],
     )
+    # a restarted schedule is kept by a resume that changes nothing, and by one that moves its end
+    restarted = {**meta, "schedule_start": 90}
+    assert resumed_schedule(restarted, cfg, MANIFEST, 4, position) == (Schedule(237, 90), [])
+    assert resumed_schedule(restarted, cfg, MANIFEST, 1, position)[0] == Schedule(660, 90)
+
+
+def test_a_finished_run_resumed_for_longer_restarts_its_schedule() -> None:
+    """Its lr had annealed to the floor: the added steps get warmup and cosine of their own (the rest of the
+    longer cosine walked a third as far at the quality benchmark's CPU size)."""
+    cfg, longer = _cfg(epochs=2), _cfg(epochs=3)
+    done = {"epoch": 1, "next_index": 160}
+    meta = {"config": cfg.to_flat(), "step": 320, "total_steps": 320, "world_size": 1, "finished": True}
+    schedule, changed = resumed_schedule(meta, longer, MANIFEST, 1, done)
+    assert schedule == Schedule(480, start=320) and changed == ["--epochs 2 -> 3"]
+    optim = longer.optim
+    lrs = [schedule.lr(step, optim) for step in range(320, 480)]
+    warmup = round(optim.warmup_frac * 160)
+    assert lrs[warmup] == pytest.approx(optim.lr) and lrs[0] == pytest.approx(optim.lr / warmup)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[warmup:])) and lrs[-1] < 0.01 * optim.lr
+    # a checkpoint from before the flag counts as finished at its total; shorter: nothing to restart
+    older = {k: v for k, v in meta.items() if k != "finished"}
+    assert resumed_schedule(older, longer, MANIFEST, 1, done)[0] == Schedule(480, start=320)
+    assert resumed_schedule(meta, _cfg(epochs=1), MANIFEST, 1, done)[0] == Schedule(320)

@@ -76,11 +76,13 @@ def test_a_run_directory_with_checkpoints_needs_resume(cache: Path, tmp_path: Pa
     assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
     plan = _plan(capsys, [*tiny_train_argv(cache, run), "--resume"])
     assert plan["out"].endswith("(resumes at step 2)")
-    # what the resume plans: the first run stopped at --max-steps 2, this command runs its epochs out
+    # what the resume plans: the first run finished at --max-steps 2, this command runs its epochs out
     manifest = load_manifest(cache)
     epochs = estimate_total_steps(manifest, build_config(tiny_train_argv(cache, run)), world_size=1)
     assert plan["schedule"].startswith(f"~{epochs:,} optimizer steps")
-    assert plan["schedule"].endswith("the resume plans its cosine again to this end (--max-steps 2 -> None)")
+    assert plan["schedule"].endswith(
+        "the run had finished: its schedule restarts at step 2 (--max-steps 2 -> None)"
+    )
     same = _plan(capsys, [*tiny_train_argv(cache, run, "--max-steps", "2"), "--resume"])
     assert same["schedule"].startswith("~2 optimizer steps") and "again" not in same["schedule"]
     # and what it would refuse, in the run's own words

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,14 @@ from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask
 from dflash.train.metrics import read_metrics
 from dflash.train.model import DFlashDrafter
-from dflash.train.schedule import lr_at
+from dflash.train.schedule import Schedule, lr_at
 from dflash.train.startup import PHASES
 from dflash.train.trainer import Trainer
 
 from tests.common.fake_cache import write_fake_cache
 from tests.common.train_cli import train_killed_at, train_resumed
+
+OPTIM = tiny_debug("cache", "out").optim
 
 
 @pytest.fixture(scope="module")
@@ -137,28 +140,39 @@ def test_resume_against_another_cache_is_refused(cache_dir: Path, tmp_path: Path
         train(tiny_debug(str(other), str(run), max_steps=4, resume=True, eval_every=0))
 
 
-def test_a_resume_that_lengthens_the_run_follows_the_longer_schedule(
+def test_a_resume_that_lengthens_the_run_plans_its_schedule_again(
     cache_dir: Path, tmp_path: Path, caplog
 ) -> None:
-    """`dflash-train --resume --epochs 4` on a finished 2-epoch run: the added epochs follow the 4-epoch cosine
-    (a fresh 4-epoch run's lr, step for step), not the 2-epoch schedule's floor, where lr 0 trains nothing."""
-    quiet = dict(eval_every=0, log_every=1, tensorboard=False, plots=False)
+    """`--resume --epochs 4` after a 2-epoch run. From its last checkpoint (finished: lr annealed to the floor,
+    0 by default, where added epochs used to train nothing) the schedule restarts over the added epochs, warmup
+    and cosine; from a checkpoint mid-way it ends at the new end, as a fresh 4-epoch run's does."""
+    quiet = dict(eval_every=0, log_every=1, save_every=4, keep_checkpoints=4, tensorboard=False, plots=False)
     run, fresh = tmp_path / "run", tmp_path / "fresh"
     first = train(tiny_debug(str(cache_dir), str(run), epochs=2, **quiet))
+    shutil.copytree(run, tmp_path / "midway")
     with caplog.at_level(logging.INFO, logger="dflash.train"):
         resumed = train(tiny_debug(str(cache_dir), str(run), epochs=4, resume=True, **quiet))
-    train(tiny_debug(str(cache_dir), str(fresh), epochs=4, **quiet))
     lrs = {r["step"]: r["lr"] for r in read_metrics(run)}
-    fresh_lrs = {r["step"]: r["lr"] for r in read_metrics(fresh)}
     added = range(first.step + 1, resumed.step + 1)
-    assert resumed.step == 2 * first.step and len(fresh_lrs) == resumed.step
-    assert [lrs[s] for s in added] == pytest.approx([fresh_lrs[s] for s in added])
-    assert min(lrs[s] for s in added) > 0 and lrs[first.step + 1] > 10 * lrs[first.step]
-    line = next(r.getMessage() for r in caplog.records if "plans the lr schedule again" in r.getMessage())
-    assert "--epochs 2 -> 4" in line and f"ends near step {resumed.step} (was {first.step})" in line, line
-    # the checkpoint keeps the new length: the same command resumed again plans nothing
+    assert resumed.step == 2 * first.step and lrs[first.step] < 0.05 * lrs[1]  # annealed
+    restart = Schedule(total=resumed.step, start=first.step)
+    assert [lrs[s] for s in added] == pytest.approx([restart.lr(s - 1, OPTIM) for s in added])
+    assert max(lrs[s] for s in added) == pytest.approx(OPTIM.lr)  # back up to the base lr, then annealed
+    line = next(r.getMessage() for r in caplog.records if "resume: --epochs 2 -> 4" in r.getMessage())
+    assert "the run had finished: its schedule restarts" in line, line
+    assert f"to step {resumed.step} (was {first.step})" in line, line
     meta = json.loads((ckpt.latest_checkpoint(run) / "meta.json").read_text())
-    assert meta["total_steps"] == resumed.step
+    assert (meta["total_steps"], meta["schedule_start"], meta["finished"]) == (resumed.step, first.step, True)
+
+    # mid-way (step 4, not finished): the 4-epoch cosine from step 4 on, a fresh 4-epoch run's lr step for step
+    midway = tmp_path / "midway"
+    step_4 = ckpt.find_checkpoint(midway, step=4)
+    assert json.loads((step_4 / "meta.json").read_text())["finished"] is False
+    train(tiny_debug(str(cache_dir), str(midway), epochs=4, resume=True, resume_from=str(step_4), **quiet))
+    train(tiny_debug(str(cache_dir), str(fresh), epochs=4, **quiet))
+    mid_lrs = {r["step"]: r["lr"] for r in read_metrics(midway)}
+    fresh_lrs = {r["step"]: r["lr"] for r in read_metrics(fresh)}
+    assert [mid_lrs[s] for s in range(5, 17)] == pytest.approx([fresh_lrs[s] for s in range(5, 17)])
 
 
 def test_train_step_alone(cache_dir: Path, tmp_path: Path) -> None:

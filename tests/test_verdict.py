@@ -21,13 +21,15 @@ def test_a_walk_still_rising_at_the_end_asks_for_a_longer_schedule() -> None:
     assert lines == [
         "drafter: held-out decode walk 3.726 at step 3918 (RUN/export), 1.34x prompt lookup's 2.774",
         "schedule: the walk was still rising at the end (3.643 at step 3000 -> 3.726 at 3918, +2.3%): a longer "
-        "schedule may walk further (--epochs 9)",
+        "schedule may walk further; to go on from here, run the same command with --resume --epochs 9",
     ]
     # the run ended on its step budget, not its epochs: that is the one to lengthen
     lines = verdict(evaluations(_records(HYBRID, 2.774)), epochs=6, max_steps=3918)
-    assert lines[1].endswith("(--max-steps 5877)")
+    assert lines[1].endswith("with --resume --max-steps 5877")
     # a step budget the epochs ended first is not the limit
-    assert verdict(evaluations(_records(HYBRID, 2.774)), epochs=6, max_steps=8000)[1].endswith("(--epochs 9)")
+    assert verdict(evaluations(_records(HYBRID, 2.774)), epochs=6, max_steps=8000)[1].endswith(
+        "with --resume --epochs 9"
+    )
 
 
 def test_a_walk_that_peaked_before_the_end_says_the_export_holds_the_peak() -> None:

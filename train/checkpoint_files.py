@@ -86,6 +86,10 @@ def read_meta(ckpt: str | Path, require: Sequence[str] = ()) -> dict[str, Any]:
     for key in ("total_steps", "world_size"):
         if key in meta:
             json_int(meta[key], path, key, low=1)
+    if "schedule_start" in meta:
+        json_int(meta["schedule_start"], path, "schedule_start")
+    if not isinstance(meta.get("finished", False), bool):
+        raise CheckpointError(f"{path}: finished must be true or false")
     json_number(meta.get("best_walk"), path, "best_walk", optional=True)
     epochs = meta.get("config", {}).get("epochs")
     if epochs is not None:

@@ -30,7 +30,7 @@ from .guards import check_frozen_finite
 from .model import DFlashDrafter
 from .resume_checks import naming_older_intact, read_resume_state
 from .run_parts import check_resume_rule, check_run_unlocked, checked_parts
-from .schedule import estimate_total_steps, resumed_schedule
+from .schedule import Schedule, estimate_total_steps, resumed_schedule
 from .startup import StartupClock
 
 # A checkpoint holds the fp32 master weights and AdamW's two fp32 moments per parameter; RUN/best only the
@@ -61,12 +61,12 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
         frozen, drafter_cfg, spec = checked_parts(cfg, cache, StartupClock())
         check_frozen_finite(cache, frozen)
         manifest = cache.manifest
-        total_steps, resume_step, moved = estimate_total_steps(manifest, cfg, world_size), None, []
+        schedule, resume_step, moved = Schedule(estimate_total_steps(manifest, cfg, world_size)), None, []
         if found is not None:  # what the resume would refuse, and where its schedule would end
             with naming_older_intact(out, found):
                 meta, position = read_resume_state(found, cfg.to_flat(), manifest)
             resume_step = meta["step"]
-            total_steps, moved = resumed_schedule(meta, cfg, manifest, world_size, position)
+            schedule, moved = resumed_schedule(meta, cfg, manifest, world_size, position)
         with torch.device("meta"):  # shapes only: no memory, no init
             params = sum(p.numel() for p in DFlashDrafter(drafter_cfg).parameters() if p.requires_grad)
         checkpoint = params * CHECKPOINT_BYTES_PER_PARAM
@@ -95,14 +95,15 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
             "world_size": world_size,
             "epochs": cfg.optim.epochs,
             "max_steps": cfg.optim.max_steps,
-            "total_steps": total_steps,
-            "warmup_steps": round(cfg.optim.warmup_frac * total_steps),
+            "total_steps": schedule.total,
+            "schedule_start": schedule.start,
+            "warmup_steps": round(cfg.optim.warmup_frac * (schedule.total - schedule.start)),
             "heldout_fraction": spec.heldout_fraction,
             "heldout_rows": len(spec.heldout_rows),
             "out": str(out),
             "resume": bool(resuming and cfg.resume),
             "resume_step": resume_step,  # None: a new run, or a --resume with no checkpoint yet
-            "schedule_moved": moved,  # what moves a resumed run's end from its checkpoint's (none: kept)
+            "schedule_moved": moved,  # what changes a resumed run's schedule from its checkpoint's (none: kept)
             "checkpoint_bytes": checkpoint,
             "checkpoints_disk_bytes": checkpoints_disk,
             "free_bytes": _free_bytes(out),
@@ -115,7 +116,13 @@ def print_plan(plan: dict[str, Any]) -> None:
     steps += f", capped by --max-steps {plan['max_steps']}" if plan["max_steps"] else ""
     steps += f", world {plan['world_size']}), warmup {plan['warmup_steps']:,}, lr {plan['lr']:g}"
     if plan["schedule_moved"]:
-        steps += f"; the resume plans its cosine again to this end ({', '.join(plan['schedule_moved'])})"
+        moved = ", ".join(plan["schedule_moved"])
+        if plan["schedule_start"] == plan["resume_step"]:
+            steps += (
+                f"; the run had finished: its schedule restarts at step {plan['resume_step']:,} ({moved})"
+            )
+        else:
+            steps += f"; the resumed schedule ends there now ({moved})"
     resumes = "a new run"
     if plan["resume"]:
         step = plan["resume_step"]

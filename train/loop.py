@@ -124,7 +124,7 @@ def fit(trainer: Trainer) -> TrainResult:
             )
             # --- checkpoint (rank 0 writes; the others wait so nobody races ahead of a slow disk)
             if saving:
-                last_saved = trainer.save_step(loader_state) or last_saved
+                last_saved = trainer.save_step(loader_state, finished) or last_saved
             if logged:  # throughput windows exclude evaluation and checkpoint time
                 window = LogWindow()
     finally:

@@ -1,14 +1,41 @@
-"""The learning-rate schedule and the run's length in optimizer steps (pure: no torch, no I/O)."""
+"""The learning-rate schedule and the run's length in optimizer steps (pure: no torch, no I/O).
+
+A run's schedule is warmup then cosine over its steps. A resume keeps its checkpoint's, unless the command
+changes the run's length (`--epochs`, `--max-steps`) or its world size: then the schedule ends where the data
+now does. A run that had finished (its lr annealed) and is resumed for longer restarts the schedule over the
+added steps, warmup included; on the CPU size of the quality benchmark that walked within 2.5% of a fresh run of
+the longer length, where the tail of the longer cosine gained a third as much (BENCHMARKS.md).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from .config import TrainConfig
+from .config import OptimConfig, TrainConfig
 
-LENGTH_KEYS = ("epochs", "max_steps")  # the run's length: a resume that changes it plans the cosine again
+LENGTH_KEYS = ("epochs", "max_steps")  # the run's length: a resume that changes it plans the schedule again
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Warmup then cosine over steps [start, total): start 0 for a run's own schedule, a finished run's last
+    step when it is resumed for longer (a restart over the added steps)."""
+
+    total: int
+    start: int = 0
+
+    def lr(self, step: int, optim: OptimConfig) -> float:
+        span = self.total - self.start
+        return lr_at(
+            step - self.start,
+            base_lr=optim.lr,
+            warmup_steps=round(optim.warmup_frac * span),
+            total_steps=span,
+            min_lr_frac=optim.min_lr_frac,
+        )
 
 
 def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min_lr_frac: float) -> float:
@@ -53,11 +80,13 @@ def resumed_total_steps(
 
 def resumed_schedule(
     meta: Mapping[str, Any], cfg: TrainConfig, manifest: Any, world_size: int, position: Mapping[str, int]
-) -> tuple[int, list[str]]:
-    """A resumed run's total steps, and what this launch changed to move its end (none: the checkpoint's own
-    total, kept as saved). A new length (`--epochs`, `--max-steps`) or world size ends the cosine where the
-    data now ends, from the checkpoint's `step` and the loader's `position` (`resumed_total_steps`)."""
+) -> tuple[Schedule, list[str]]:
+    """A resumed run's schedule, and what this launch changed to move it (none: the checkpoint's own, kept as
+    saved). A new length (`--epochs`, `--max-steps`) or world size ends it where the data now ends, from the
+    checkpoint's `step` and the loader's `position` (`resumed_total_steps`); a run that had `finished` restarts
+    it over the added steps, where the rest of the longer cosine would train at a fraction of the lr."""
     saved, now = meta["config"], cfg.to_flat()
+    kept = Schedule(int(meta["total_steps"]), int(meta.get("schedule_start", 0)))
     changed = [
         f"--{k.replace('_', '-')} {saved.get(k)} -> {now[k]}" for k in LENGTH_KEYS if saved.get(k) != now[k]
     ]
@@ -65,16 +94,13 @@ def resumed_schedule(
     if saved_world != world_size:
         changed.append(f"world size {saved_world} -> {world_size}")
     if not changed:
-        return int(meta["total_steps"]), []
+        return kept, []
+    step = int(meta["step"])
     total = resumed_total_steps(
-        manifest,
-        cfg,
-        world_size,
-        step=meta["step"],
-        epoch=position["epoch"],
-        next_index=position["next_index"],
+        manifest, cfg, world_size, step=step, epoch=position["epoch"], next_index=position["next_index"]
     )
-    return total, changed
+    finished = meta.get("finished", step >= kept.total)  # checkpoints from before the flag: by their step
+    return Schedule(total, step if finished and total > step else kept.start), changed
 
 
 def _capped(steps: int, cfg: TrainConfig) -> int:

@@ -53,7 +53,7 @@ from .parallelize import (
 )
 from .resume_checks import cache_identity, naming_older_intact, read_resume_state
 from .run_parts import open_run, release_lock
-from .schedule import estimate_total_steps, lr_at, resumed_schedule
+from .schedule import Schedule, estimate_total_steps, resumed_schedule
 from .slot_weights import ReachWeights
 from .startup import StartupClock
 from .stop_signal import StopRequest
@@ -118,7 +118,7 @@ class Trainer:
         self.ddp_model = wrap_model(self.model, info)
         self.autocast = mixed_precision(device)
         self.step, self.best_walk, self.last_tau = 0, None, None
-        self.total_steps = estimate_total_steps(cache.manifest, cfg, info.world_size)
+        self.schedule = Schedule(estimate_total_steps(cache.manifest, cfg, info.world_size))
         self.eval_set: EvalSet | None = None
         self.guard = FiniteGuard(cache, spec.layer_ids)  # a NaN/inf loss or gradient stops the run
         self.reach = (
@@ -153,6 +153,10 @@ class Trainer:
         return self.cfg.optim.max_steps or self.total_steps * 10**6
 
     @property
+    def total_steps(self) -> int:
+        return self.schedule.total
+
+    @property
     def planned_steps(self) -> int:
         return min(self.total_steps, self.max_steps)
 
@@ -173,19 +177,23 @@ class Trainer:
         self.loader.load_state_dict(loader_state)
         # a run from before the walk chose the best has none: its next evaluation writes RUN/best again
         self.step, self.best_walk = meta["step"], meta.get("best_walk")
-        saved_total = meta["total_steps"]
-        self.total_steps, changed = resumed_schedule(
+        saved = Schedule(meta["total_steps"], meta.get("schedule_start", 0))
+        self.schedule, changed = resumed_schedule(
             meta, self.cfg, self.cache.manifest, self.info.world_size, loader_state
         )
-        if changed and self.info.is_main:  # the cosine ends where the data now does, not at the saved end
+        if changed and self.info.is_main:
+            restart = self.schedule.start == self.step > saved.start
             log.info(
-                "resume: %s plans the lr schedule again: it ends near step %d (was %d); step %d's lr %.3g -> %.3g",
+                "resume: %s: %s, to step %d (was %d); step %d's lr %.3g -> %.3g",
                 ", ".join(changed),
-                self.total_steps,
-                saved_total,
+                "the run had finished: its schedule restarts over the added steps, warmup and cosine"
+                if restart
+                else "the schedule now ends where the data does",
+                self.schedule.total,
+                saved.total,
                 self.step,
-                self._lr(self.step, saved_total),
-                self._lr(self.step, self.total_steps),
+                saved.lr(self.step, self.cfg.optim),
+                self.schedule.lr(self.step, self.cfg.optim),
             )
         if self.reach is not None:
             if meta.get("slot_weights") is None:
@@ -238,7 +246,7 @@ class Trainer:
             if cfg.optim.grad_clip > 0
             else torch.tensor(float("nan"))
         )
-        lr = self._lr(self.step, self.total_steps)
+        lr = self.schedule.lr(self.step, cfg.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         clipped = grad_norm if cfg.optim.grad_clip > 0 else None  # else the guard computes the norm
@@ -249,16 +257,6 @@ class Trainer:
         self.step += 1
         tokens = sum(m.tokens for m in micro if m.loss_scale)
         return StepResult(loss_sum, local_weight, tokens, grad_norm, lr, stops > 0)
-
-    def _lr(self, step: int, total_steps: int) -> float:
-        optim = self.cfg.optim
-        return lr_at(
-            step,
-            base_lr=optim.lr,
-            warmup_steps=round(optim.warmup_frac * total_steps),
-            total_steps=total_steps,
-            min_lr_frac=optim.min_lr_frac,
-        )
 
     def evaluate(self) -> dict[str, Any]:
         """Held-out metrics (rank 0 only: the other ranks wait at the caller's barrier)."""
@@ -276,6 +274,7 @@ class Trainer:
             "config": self.cfg.to_flat(),
             "drafter": dataclasses.asdict(self.drafter_cfg),
             "total_steps": self.total_steps,
+            "schedule_start": self.schedule.start,
             "world_size": self.info.world_size,
             **cache_identity(self.cache.manifest),
             "best_walk": self.best_walk,
@@ -322,10 +321,13 @@ class Trainer:
         barrier(self.info)
         return result
 
-    def save_step(self, loader_state: dict[str, Any]) -> Path | None:
-        """RUN/checkpoints/step_N (every rank calls it: the skip count is summed over ranks first)."""
+    def save_step(self, loader_state: dict[str, Any], finished: bool = False) -> Path | None:
+        """RUN/checkpoints/step_N (every rank calls it: the skip count is summed over ranks first); `finished`:
+        the run's last step, its schedule run out (a resume for longer restarts it)."""
         skipped = all_reduce_sum([float(loader_state["skipped_samples"])], self.info)[0]
-        extra = {} if self.reach is None else {"slot_weights": self.reach.state_dict(self.reduce_sum)}
+        extra: dict[str, Any] = {"finished": finished}
+        if self.reach is not None:
+            extra["slot_weights"] = self.reach.state_dict(self.reduce_sum)
         saved = None
         if self.info.is_main:
             state = {**loader_state, "skipped_samples": int(skipped)}

@@ -89,7 +89,8 @@ def verdict(evals: list[Evaluation], *, epochs: int, max_steps: int | None) -> l
         )
         lines.append(
             f"schedule: the walk was still rising at the end ({since.walk:.3f} at step {since.step} -> "
-            f"{last.walk:.3f} at {last.step}, +{seen.change:.1%}): a longer schedule may walk further ({longer})"
+            f"{last.walk:.3f} at {last.step}, +{seen.change:.1%}): a longer schedule may walk further; to go on "
+            f"from here, run the same command with --resume {longer}"
         )
     elif seen is not None:
         peak, last = seen.since, seen.last

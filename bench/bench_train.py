@@ -51,9 +51,11 @@ from dflash.train import trainer as trainer_mod
 from dflash.train.config import paper_recipe
 from dflash.train.data_spec import DataSpec
 from dflash.train.loader_procs import streaming_loader
+from dflash.train.loop import train
 from dflash.train.mask import visible_pairs
 from dflash.train.metrics import read_metrics
 from dflash.train.model import DrafterConfig, flops_per_step
+from dflash.train.schedule import Schedule
 from dflash.train.startup import describe
 
 from bench.shapes import QWEN3_8B, SMALL, TINY
@@ -246,12 +248,12 @@ def loader_ceiling(
 def train_phase(cfg: Any, seconds: float) -> dict[str, Any]:
     """`train()` until `seconds` after its first step; checkpoint writes are skipped (they are not the loop)."""
     marks: dict[str, float] = {}
-    real_lr_at, real_save = trainer_mod.lr_at, trainer_mod.ckpt.save_checkpoint
+    real_lr, real_save = Schedule.lr, trainer_mod.ckpt.save_checkpoint
     device = torch.device(
         cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
 
-    def lr_at(step: int, **kw: Any) -> float:
+    def lr(schedule: Schedule, step: int, optim: Any) -> float:
         # Called in each step after its forward and backward: the second call follows the whole first step
         # (compilation included) and step 2's forward and backward (a recompile for new shapes included),
         # so the timed window starts after them, however long compiling took.
@@ -262,19 +264,19 @@ def train_phase(cfg: Any, seconds: float) -> dict[str, Any]:
             marks["second_step"] = time.perf_counter() - marks["start"]
         elif "second_step" in marks and time.perf_counter() - marks["start"] - marks["second_step"] > seconds:
             raise _StopBench
-        return real_lr_at(step, **kw)
+        return real_lr(schedule, step, optim)
 
-    trainer_mod.lr_at = lr_at
+    Schedule.lr = lr  # type: ignore[method-assign]
     trainer_mod.ckpt.save_checkpoint = lambda final, *a, **k: Path(final)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     marks["start"] = time.perf_counter()
     try:
-        trainer_mod.train(cfg)
+        train(cfg)
     except _StopBench:
         pass
     finally:
-        trainer_mod.lr_at, trainer_mod.ckpt.save_checkpoint = real_lr_at, real_save
+        Schedule.lr, trainer_mod.ckpt.save_checkpoint = real_lr, real_save  # type: ignore[method-assign]
     logged = read_metrics(cfg.out)
     records = [r for r in logged if "tokens_per_s" in r]
     # The first window runs from the loop's start: step 1's compile and step 2's recompile are in it, so it

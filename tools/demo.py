@@ -174,9 +174,8 @@ def _export_note(exported: float | None, best: float | None) -> str:
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run every step into `cfg.out`; returns the summary (also written to `OUT/summary.json`)."""
-    from dflash.train.cli import build_config
-    from dflash.train.metrics import METRICS_FILE, read_metrics
-    from dflash.train.verdict import evaluations, verdict
+    from dflash.train.cli import build_config, run_verdict
+    from dflash.train.metrics import METRICS_FILE
 
     from .demo_commands import command_line, extract_argv, tokenize_argv, train_argv
     from .demo_eval import cached_layers, evaluate_drafter, untrained_drafter
@@ -282,11 +281,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         # one training measured on the fp32 weights by bf16's rounding.
         "tau_walk_best_in_training": trained.best_walk,
         # what dflash-train ends with: the walk against prompt lookup's, and the schedule's reading
-        "verdict": verdict(
-            evaluations(read_metrics(paths["run"])),
-            epochs=train_cfg.optim.epochs,
-            max_steps=train_cfg.optim.max_steps,
-        ),
+        "verdict": run_verdict(train_cfg),
         "commands": {name: command_line(f"dflash-{name}", argv, cfg.threads) for name, argv in argvs.items()},
         "size": asdict(spec),
         "seed": cfg.seed,

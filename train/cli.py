@@ -283,6 +283,13 @@ def export_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def run_verdict(cfg: Any) -> list[str]:
+    """What a finished run's evaluations say (`verdict`), read from its metrics.jsonl: the lines
+    `dflash-train` (and the demo) ends with."""
+    optim = cfg.optim
+    return verdict(evaluations(read_metrics(cfg.out)), epochs=optim.epochs, max_steps=optim.max_steps)
+
+
 def main_impl(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "export":
@@ -319,10 +326,7 @@ def main_impl(argv: Sequence[str] | None) -> int:
             f"done: step {result.step}, checkpoint {result.last_checkpoint}"
             + (f", best decode walk {result.best_walk:.3f}" if result.best_walk is not None else "")
         )
-        optim = cfg.optim
-        for line in verdict(
-            evaluations(read_metrics(result.run_dir)), epochs=optim.epochs, max_steps=optim.max_steps
-        ):
+        for line in run_verdict(cfg):
             print(line)
     return 0
 

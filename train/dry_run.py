@@ -96,8 +96,8 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
             "epochs": cfg.optim.epochs,
             "max_steps": cfg.optim.max_steps,
             "total_steps": schedule.total,
-            "schedule_start": schedule.start,
-            "warmup_steps": round(cfg.optim.warmup_frac * (schedule.total - schedule.start)),
+            "schedule_restarts": resume_step is not None and schedule.restarts_at(resume_step),
+            "warmup_steps": schedule.warmup_steps(cfg.optim),
             "heldout_fraction": spec.heldout_fraction,
             "heldout_rows": len(spec.heldout_rows),
             "out": str(out),
@@ -117,7 +117,7 @@ def print_plan(plan: dict[str, Any]) -> None:
     steps += f", world {plan['world_size']}), warmup {plan['warmup_steps']:,}, lr {plan['lr']:g}"
     if plan["schedule_moved"]:
         moved = ", ".join(plan["schedule_moved"])
-        if plan["schedule_start"] == plan["resume_step"]:
+        if plan["schedule_restarts"]:
             steps += (
                 f"; the run had finished: its schedule restarts at step {plan['resume_step']:,} ({moved})"
             )

@@ -27,13 +27,24 @@ class Schedule:
     total: int
     start: int = 0
 
+    @classmethod
+    def saved(cls, meta: Mapping[str, Any]) -> Schedule:
+        """The schedule a checkpoint's meta.json records (runs from before restarts: from step 0)."""
+        return cls(int(meta["total_steps"]), int(meta.get("schedule_start", 0)))
+
+    def restarts_at(self, step: int) -> bool:
+        """Whether a resume at `step` restarted this schedule there (a finished run resumed for longer)."""
+        return 0 < step == self.start
+
+    def warmup_steps(self, optim: OptimConfig) -> int:
+        return round(optim.warmup_frac * (self.total - self.start))
+
     def lr(self, step: int, optim: OptimConfig) -> float:
-        span = self.total - self.start
         return lr_at(
             step - self.start,
             base_lr=optim.lr,
-            warmup_steps=round(optim.warmup_frac * span),
-            total_steps=span,
+            warmup_steps=self.warmup_steps(optim),
+            total_steps=self.total - self.start,
             min_lr_frac=optim.min_lr_frac,
         )
 
@@ -86,7 +97,7 @@ def resumed_schedule(
     checkpoint's `step` and the loader's `position` (`resumed_total_steps`); a run that had `finished` restarts
     it over the added steps, where the rest of the longer cosine would train at a fraction of the lr."""
     saved, now = meta["config"], cfg.to_flat()
-    kept = Schedule(int(meta["total_steps"]), int(meta.get("schedule_start", 0)))
+    kept = Schedule.saved(meta)
     changed = [
         f"--{k.replace('_', '-')} {saved.get(k)} -> {now[k]}" for k in LENGTH_KEYS if saved.get(k) != now[k]
     ]

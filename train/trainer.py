@@ -177,17 +177,16 @@ class Trainer:
         self.loader.load_state_dict(loader_state)
         # a run from before the walk chose the best has none: its next evaluation writes RUN/best again
         self.step, self.best_walk = meta["step"], meta.get("best_walk")
-        saved = Schedule(meta["total_steps"], meta.get("schedule_start", 0))
+        saved = Schedule.saved(meta)
         self.schedule, changed = resumed_schedule(
             meta, self.cfg, self.cache.manifest, self.info.world_size, loader_state
         )
         if changed and self.info.is_main:
-            restart = self.schedule.start == self.step > saved.start
             log.info(
                 "resume: %s: %s, to step %d (was %d); step %d's lr %.3g -> %.3g",
                 ", ".join(changed),
                 "the run had finished: its schedule restarts over the added steps, warmup and cosine"
-                if restart
+                if self.schedule.restarts_at(self.step)
                 else "the schedule now ends where the data does",
                 self.schedule.total,
                 saved.total,

@@ -235,6 +235,11 @@ def run_flags(
     ]  # fmt: skip
 
 
+def command_file(root: Path, name: str) -> Path:
+    """Where a run's `dflash-train` flags are kept (a JSON list)."""
+    return root / f"{name}.cmd.json"
+
+
 def heldout_file(root: Path, fraction: float) -> Path:
     return root / f"heldout-{fraction:g}.json"
 
@@ -257,8 +262,10 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
 
             shutil.rmtree(run.dir)
         run.dir.parent.mkdir(parents=True, exist_ok=True)
-        seconds = _call(_python("dflash.train.cli", *run_flags(run, work, size, meta, device, extra)),
-                        run.dir.parent / f"{run.name}.log")  # fmt: skip
+        flags = run_flags(run, work, size, meta, device, extra)
+        # the run's own command line, so `bench/quality_resume.py` can go on from it as a user would
+        command_file(run.dir.parent, run.name).write_text(json.dumps(flags) + "\n")
+        seconds = _call(_python("dflash.train.cli", *flags), run.dir.parent / f"{run.name}.log")
         _call(_python("dflash.train.cli", "export", str(run.dir), "--out", str(export)),
               run.dir.parent / f"{run.name}-export.log")  # fmt: skip
         (run.dir / "bench_seconds.json").write_text(json.dumps({"train_seconds": round(seconds, 1)}))

@@ -724,3 +724,29 @@ def test_the_curve_line_reads_the_schedule_as_dflash_train_does(capsys) -> None:
     prose = {1000: 1.680, 2000: 1.719, 3000: 1.715, 3767: 1.701}
     assert curve_line(prose).endswith("; peaked at step 2000, +1.1% over the end")
     assert curve_line({1000: 3.0, 3000: 3.60, 4000: 3.62}).endswith("4000: 2.00/3.62")  # flat: nothing said
+
+
+def test_quality_resume_goes_on_from_a_finished_run_in_a_copy_as_a_user_would(tmp_path: Path) -> None:
+    from bench import quality_resume
+
+    work = tmp_path / "q"
+    assert bench_quality.main(_ci_argv(work, "--codecs", "fp8", "--fractions", "1")) == 0
+    runs = work / "runs"
+    before = (runs / "base-fp8-f1-s0" / "metrics.jsonl").read_text()
+    assert quality_resume.main([str(runs), "base-fp8-f1-s0", "more", "--max-steps", "20"]) == 0
+    # the finished run is left as it was; the copy went on to the new length, evaluated and exported
+    assert (runs / "base-fp8-f1-s0" / "metrics.jsonl").read_text() == before
+    steps = [json.loads(line)["step"] for line in (runs / "more" / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 20 and 12 in steps
+    assert (runs / "more" / "final" / "config.json").is_file()
+    flags = json.loads((runs / "more.cmd.json").read_text())
+    assert flags[flags.index("--out") + 1] == str(runs / "more") and flags[-3:] == [
+        "--resume",
+        "--max-steps",
+        "20",
+    ]
+    assert "schedule restarts over the added steps" in (runs / "more.log").read_text()
+    with pytest.raises(SystemExit, match="exists"):
+        quality_resume.main([str(runs), "base-fp8-f1-s0", "more"])
+    with pytest.raises(SystemExit, match="not a finished benchmark run"):
+        quality_resume.main([str(runs), "nothing", "other"])

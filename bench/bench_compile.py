@@ -20,10 +20,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dflash.train.compiled as compiled
 from dflash.train.blocks import SequenceInput, make_packed_batch
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.frozen import FrozenTarget
 from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DFlashDrafter
 
 from tests.common.tiny_shapes import tiny_target
 

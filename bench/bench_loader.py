@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash.shards.storage import request_counts
+from dflash.shards.retries import request_counts
 from dflash.train.config import paper_recipe
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.loader import StreamingLoader
-from dflash.train.model import DrafterConfig
 
 from bench.bench_train import write_cache
 from bench.shapes import QWEN3_8B, SMALL, TINY

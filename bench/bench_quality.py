@@ -45,10 +45,7 @@ Prints one table (after a line naming the target) and writes `quality.json` unde
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -57,225 +54,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.quality_data import cut_prompts, greedy_continuations, read_corpus, write_rows
-from bench.quality_pack import (
-    TRITON_CACHE,
-    nested_work,
-    pack,
-    target_done,
-    target_work,
-    unpack,
-    work_mismatch,
-)
-from bench.quality_prose import ASSISTANT, CHAT_TOKENS, cut_chat_prompts, read_prose_corpus
+from bench.quality_pack import nested_work, pack, target_work, unpack, work_mismatch
+from bench.quality_phases import phase_cache, phase_data, phase_run, phase_target, write_heldout_files
 from bench.quality_report import Scorer, print_table, summarize
 from bench.quality_sizes import (
-    DEFAULTS_CURVE_EVERY,
     SIZES,
     Run,
-    Size,
     parse_variants,
     plan_runs,
     starts_in_time,
     with_trainer_defaults,
 )
-from bench.quality_target import (
-    COMPILE_MODES,
-    PAD,
-    TARGET_KINDS,
-    build_tokenizer,
-    tokenize_files,
-    train_target,
-)
-
-# --- phases -------------------------------------------------------------------------------------------
-
-
-def _python(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", module, *args]
-
-
-def _call(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> float:
-    start = time.perf_counter()
-    with log.open("w") as f:
-        done = subprocess.run(
-            cmd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )
-    if done.returncode:
-        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-        raise RuntimeError(
-            f"{' '.join(cmd[2:4])} failed (exit {done.returncode}); {log}:\n  " + "\n  ".join(tail)
-        )
-    return time.perf_counter() - start
-
-
-def phase_target(work: Path, size: Size, device: str, seed: int) -> tuple[dict[str, Any], Any, list, list]:
-    """Tokenizer + target LM (trained once), and the tokenized train / held-out files (kept as .npy)."""
-    from transformers import AutoTokenizer
-
-    target, tokens = work / "target", work / "tokens"
-    done = target_done(work)
-    if done.is_file() and (work / "data" / "rows.json").is_file():  # nothing left that needs the corpus
-        return json.loads(done.read_text()), None, [], []
-    if (tokens / "corpus.json").is_file():
-        corpus = json.loads((tokens / "corpus.json").read_text())
-        tokenizer = AutoTokenizer.from_pretrained(str(target))
-        train_files, held_files = (
-            _load_files(tokens / f"{split}.npy", corpus[split]) for split in ("train", "heldout")
-        )
-    else:
-        prose = size.target.kind == "prose"
-        read = read_prose_corpus if prose else read_corpus
-        train_texts, held_texts, corpus = read(int(size.target.corpus_mb * 2**20), seed)
-        target.mkdir(parents=True, exist_ok=True)
-        if (target / "tokenizer.json").is_file():
-            tokenizer = AutoTokenizer.from_pretrained(str(target))
-        else:
-            tokenizer = build_tokenizer(train_texts, size.target.vocab, target, int(size.target.bpe_mb * 2**20),
-                                        CHAT_TOKENS if prose else ())  # fmt: skip
-        train_files, held_files = (
-            tokenize_files(tokenizer, train_texts),
-            tokenize_files(tokenizer, held_texts),
-        )
-        tokens.mkdir(exist_ok=True)
-        for split, files in (("train", train_files), ("heldout", held_files)):
-            np.save(tokens / f"{split}.npy", np.concatenate(files), allow_pickle=False)
-            corpus[split] = [len(f) for f in files]
-        (tokens / "corpus.json").write_text(json.dumps(corpus))
-    if done.is_file():
-        info = json.loads(done.read_text())
-    else:
-        info = train_target(size.target, tokenizer, train_files, target, device, seed)
-    info["corpus"] = {"files": corpus["files"], "bytes": corpus["bytes"], "train_tokens": sum(corpus["train"]),
-                      "heldout_tokens": sum(corpus["heldout"]), "sha256": corpus.get("sha256")}  # fmt: skip
-    done.write_text(json.dumps(info, indent=1) + "\n")  # later calls need neither the corpus nor its tokens
-    return info, tokenizer, train_files, held_files
-
-
-def _load_files(path: Path, lengths: list[int]) -> list[np.ndarray]:
-    flat = np.load(path, allow_pickle=False)
-    return np.split(flat, np.cumsum(lengths)[:-1])
-
-
-def phase_data(work: Path, size: Size, tokenizer: Any, train_files: list, held_files: list, device: str,
-               seed: int) -> dict[str, Any]:  # fmt: skip
-    data = work / "data"
-    rows_path, meta_path = data / "rows.arrow", data / "rows.json"
-    if meta_path.is_file():
-        return json.loads(meta_path.read_text())
-    rng = np.random.default_rng(seed + 1)
-    spec = size.data
-    cut = cut_prompts
-    if size.target.kind == "prose":  # a user turn and the beginning of its answer
-        header = np.asarray(tokenizer(ASSISTANT, add_special_tokens=False)["input_ids"], dtype=np.int32)
-        cut = partial(cut_chat_prompts, header=header)
-    prompts = cut(train_files, spec.train_rows, spec, rng=rng) + cut(
-        held_files, spec.eval_rows, spec, rng=rng
-    )
-    start = time.perf_counter()
-    answers = greedy_continuations(
-        work / "target", prompts, spec, tokenizer.convert_tokens_to_ids(PAD), device
-    )
-    seconds = time.perf_counter() - start
-    write_rows(rows_path, prompts, answers)
-    meta = {
-        "rows": len(prompts),
-        "train_rows": spec.train_rows,
-        "eval_rows": list(range(spec.train_rows, spec.train_rows + spec.eval_rows)),
-        "tokens": int(sum(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))),
-        "generate_seconds": round(seconds, 1),
-        "gen_batch": spec.gen_batch,  # the rows depend on it
-        "rows_sha256": hashlib.sha256(rows_path.read_bytes()).hexdigest(),  # whether two machines' rows agree
-    }
-    meta_path.write_text(json.dumps(meta) + "\n")
-    return meta
-
-
-def phase_cache(work: Path, codec: str, device: str, token_budget: int) -> Path:
-    """The cache of one codec, extracted from the target by the real `dflash-extract` CLI."""
-    cache = work / f"cache-{codec}"
-    manifest = cache / "manifest.json"
-    if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
-        return cache
-    cmd = _python("dflash.extract.cli", "--target", str(work / "target"), "--dataset", str(work / "data" / "rows.arrow"),
-                  "--out", str(cache), "--codec", codec, "--layers", "all", "--device", device, "--no-compile",
-                  "--token-budget", str(token_budget))  # fmt: skip
-    if device == "cpu":
-        cmd += ["--dtype", "float32"]
-    # in the work folder, so `--pack` carries it to the next machine (quality_pack.TRITON_CACHE says why)
-    _call(cmd, work / f"cache-{codec}.log", env={"TRITON_CACHE_DIR": str(work / TRITON_CACHE)})
-    return cache
-
-
-def run_flags(
-    run: Run, work: Path, size: Size, meta: dict[str, Any], device: str, extra: list[str]
-) -> list[str]:
-    """The `dflash-train` command line of one run. Held-out rows = evaluation rows, plus the training rows a
-    fraction leaves out (held-out rows never train)."""
-    eval_rows = meta["eval_rows"]
-    rows_file = heldout_file(run.dir.parent, run.fraction)
-    recipe = size.drafter
-    # Every run evaluates at its end too, so a call cut off before its `Scorer` turn still has each tau.
-    if recipe.steps is None:  # its epochs set the length; dflash-train evaluates at its last step anyway
-        eval_every = DEFAULTS_CURVE_EVERY if run.curve else 1 << 30
-    else:
-        eval_every = max(1, recipe.steps // recipe.eval_points) if run.curve else recipe.steps
-    return [
-        "--cache", str(work / f"cache-{run.codec}"), "--out", str(run.dir), "--seed", str(run.seed),
-        "--device", device, "--eval-rows", str(rows_file), "--eval-fraction", "0",
-        "--eval-samples", str(len(eval_rows)), "--eval-every", str(eval_every), "--save-every", "0",
-        "--log-every", "50", "--no-tensorboard", "--no-plots", "--no-progress",
-        *recipe.flags(), *extra, *run.flags,
-    ]  # fmt: skip
-
-
-def command_file(root: Path, name: str) -> Path:
-    """Where a run's `dflash-train` flags are kept (a JSON list)."""
-    return root / f"{name}.cmd.json"
-
-
-def heldout_file(root: Path, fraction: float) -> Path:
-    return root / f"heldout-{fraction:g}.json"
-
-
-def write_heldout_files(root: Path, meta: dict[str, Any], fractions: tuple[float, ...]) -> None:
-    """Per training-row fraction, the rows no run of it trains on: the evaluation rows plus the training rows
-    the fraction leaves out. Written once, before runs that read them start side by side."""
-    root.mkdir(parents=True, exist_ok=True)
-    for fraction in fractions:
-        keep = round(fraction * meta["train_rows"])
-        heldout = sorted(set(meta["eval_rows"]) | set(range(keep, meta["train_rows"])))
-        heldout_file(root, fraction).write_text(json.dumps(heldout))
-
-
-def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: str, extra: list[str]) -> Run:
-    export = run.dir / "final"
-    if not (export / "config.json").is_file():
-        if run.dir.exists():  # a run cut off earlier: start it again (runs are minutes)
-            import shutil
-
-            shutil.rmtree(run.dir)
-        run.dir.parent.mkdir(parents=True, exist_ok=True)
-        flags = run_flags(run, work, size, meta, device, extra)
-        # the run's own command line, so `bench/quality_resume.py` can go on from it as a user would
-        command_file(run.dir.parent, run.name).write_text(json.dumps(flags) + "\n")
-        seconds = _call(_python("dflash.train.cli", *flags), run.dir.parent / f"{run.name}.log")
-        _call(_python("dflash.train.cli", "export", str(run.dir), "--out", str(export)),
-              run.dir.parent / f"{run.name}-export.log")  # fmt: skip
-        (run.dir / "bench_seconds.json").write_text(json.dumps({"train_seconds": round(seconds, 1)}))
-    run.result["train_seconds"] = json.loads((run.dir / "bench_seconds.json").read_text())["train_seconds"]
-    run.result["curve"] = [
-        {k: r[k] for k in ("step", "tau", "tau_walk", "eval_loss") if k in r}
-        for r in map(json.loads, (run.dir / "metrics.jsonl").read_text().splitlines())
-        if "tau" in r
-    ]
-    return run
+from bench.quality_target import COMPILE_MODES, TARGET_KINDS
 
 
 def main(argv: list[str] | None = None) -> int:

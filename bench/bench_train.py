@@ -50,11 +50,12 @@ from dflash.shards.writer import ShardMeta
 from dflash.train import trainer as trainer_mod
 from dflash.train.config import paper_recipe
 from dflash.train.data_spec import DataSpec
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.loader_procs import streaming_loader
 from dflash.train.loop import train
 from dflash.train.mask import visible_pairs
 from dflash.train.metrics import read_metrics
-from dflash.train.model import DrafterConfig, flops_per_step
+from dflash.train.model import flops_per_step
 from dflash.train.schedule import Schedule
 from dflash.train.startup import describe
 

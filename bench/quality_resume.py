@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_quality import command_file
+from bench.quality_phases import command_file
 
 
 def resume_flags(flags: list[str], out: Path, extra: list[str]) -> list[str]:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from dflash.train.blocks import PackedBatch
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.frozen import FrozenTarget
-from dflash.train.model import DrafterConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

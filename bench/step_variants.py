@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from dflash.train.blocks import PackedBatch, SequenceInput, make_packed_batch
 from dflash.train.compiled import speed_up
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.frozen import FrozenTarget
 from dflash.train.loss import drafter_loss
 from dflash.train.mask import DenseMask, FlexMask, build_attention_mask, choose_backend
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DFlashDrafter
 
 from bench.reference_step import ReferenceDrafter, reference_loss_and_backward
 

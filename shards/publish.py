@@ -41,8 +41,9 @@ from .paths import LOCK_NAME, MANIFEST_NAME, SHARDS_DIR, TARGET_DIR, committed_s
 from .published import published_shards, record_published
 from .reader import ShardReader
 from .remote_cache import RemoteFile, stage_remote
+from .retries import transient_counts
 from .safe_io import load_json
-from .storage import Storage, open_storage, transient_counts
+from .storage import Storage, open_storage
 from .trust import check_shard_layout
 from .urls import default_stage_dir
 

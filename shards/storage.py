@@ -11,9 +11,8 @@ exists: the lock of a second writer. The endpoint and credentials come from wher
 carries credentials itself is refused, so none is ever printed or recorded. The per-sample range reads and
 whole-shard downloads of s3:// go through obstore when it is installed (`storage_obstore.py`: outside the GIL).
 
-Transient remote errors (5xx, throttling, timeouts, dropped connections) are retried with exponential backoff
-(`RETRIES` attempts) and counted (`transient_counts`), for the metrics; any other error is raised at once as
-one line (a wrong credential: PermissionError; a missing key: FileNotFoundError).
+Every remote request goes through `retries.retrying`: transient errors are retried with backoff and counted,
+any other is raised at once as one line.
 """
 
 from __future__ import annotations
@@ -21,142 +20,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import threading
-import time
-from collections import Counter
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
 
 from .atomic import atomic_write_bytes, fsync_dir
 from .errors import ShardError
+from .retries import count_request, retrying
 from .safe_io import open_regular, read_regular
 from .storage_obstore import ObstoreReads, s3_client
 from .urls import check_url, is_url, local_path, scheme
 
-T = TypeVar("T")
-RETRIES = 6
-BACKOFF_S = 0.2  # first wait; doubles per attempt, capped at 5 s
-_TRANSIENT_CODES = {
-    "500", "502", "503", "504", "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
-    "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable", "RequestLimitExceeded",
-}  # fmt: skip
+# one attempt per request: `retries.retrying` does the retrying, and counts it
 _S3_CLIENT = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 1}}
-_counts_lock = threading.Lock()
-_counts: Counter[str] = Counter()
-_requests: Counter[str] = Counter()
-
-
-def transient_counts() -> dict[str, int]:
-    """Retried remote errors by kind since the process started (`retries` counts every retry)."""
-    with _counts_lock:
-        return dict(_counts)
-
-
-def request_counts() -> dict[str, int]:
-    """Remote requests made since the process started, by kind, and the bytes they moved (for benchmarks)."""
-    with _counts_lock:
-        return dict(_requests)
-
-
-def _request(kind: str, nbytes: int = 0) -> None:
-    with _counts_lock:
-        _requests[kind] += 1
-        if nbytes:
-            _requests[f"{kind}_bytes"] += nbytes
-
-
-def merge_counts(transient: Mapping[str, int], requests: Mapping[str, int]) -> None:
-    """Add counts another process made on this one's behalf (a training loader's worker), so this process's
-    metrics and benchmarks include them."""
-    with _counts_lock:
-        _counts.update(transient)
-        _requests.update(requests)
-
-
-def storage_retries() -> dict[str, dict[str, int]]:
-    """`{"storage_retries": transient_counts()}` once a request was retried, else {} (a metrics record's part)."""
-    counts = transient_counts()
-    return {"storage_retries": counts} if counts else {}
-
-
-def _count(kind: str) -> None:
-    with _counts_lock:
-        _counts[kind] += 1
-        _counts["retries"] += 1
-
-
-def _transient_kind(exc: BaseException) -> str | None:
-    """A short name for an error worth retrying, None for one that is not (a credential, a missing key)."""
-    if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError)):
-        return None
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, ConnectionError):
-        return "connection"
-    name = type(exc).__name__
-    if name in {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
-                "ServerDisconnectedError", "ClientConnectorError", "ClientOSError", "ClientPayloadError",
-                "ResponseStreamingError", "IncompleteReadError"}:  # fmt: skip
-        return "connection"
-    code = ""
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        code = str(response.get("Error", {}).get("Code", "")) or str(
-            response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
-        )
-    if code in _TRANSIENT_CODES:
-        return "throttled" if "Slow" in code or "Throttl" in code or "Limit" in code else "server_error"
-    if isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT):
-        return "server_error"
-    text = str(exc)
-    if any(
-        c in text for c in ("SlowDown", "503", "500 ", "InternalError", "ServiceUnavailable", "timed out")
-    ):
-        return "server_error"
-    cause = exc.__cause__ or exc.__context__
-    return _transient_kind(cause) if cause is not None and cause is not exc else None
-
-
-def retrying(op: Callable[[], T], what: str, *, attempts: int = RETRIES) -> T:
-    """`op()`, retried with backoff on transient errors (counted); the last error is one line naming `what`."""
-    for attempt in range(attempts):
-        try:
-            return op()
-        except Exception as exc:
-            kind = _transient_kind(exc)
-            if kind is None:
-                raise _one_line(exc, what) from None
-            if attempt == attempts - 1:
-                raise OSError(
-                    errno.EIO, f"{what}: still failing after {attempts} attempts ({kind}: {_first_line(exc)})"
-                ) from None
-            _count(kind)
-            time.sleep(min(BACKOFF_S * 2**attempt, 5.0))
-    raise AssertionError
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
-
-
-def _one_line(exc: Exception, what: str) -> Exception:
-    text = _first_line(exc)
-    if isinstance(exc, PermissionError) or any(
-        k in text for k in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Access Key Id")
-    ):
-        return PermissionError(
-            f"{what}: access refused by the storage service ({text}); check AWS_ACCESS_KEY_ID/"
-            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE and AWS_ENDPOINT_URL"
-        )
-    if isinstance(exc, FileNotFoundError):
-        return FileNotFoundError(f"{what}: not found")
-    if isinstance(exc, FileExistsError):
-        return FileExistsError(f"{what}: already exists")
-    if isinstance(exc, (ShardError, ValueError)):
-        return exc
-    return OSError(f"{what}: {text}")
 
 
 class Storage:
@@ -306,7 +180,7 @@ class RemoteStorage(Storage):
                 return None
             return int(info["size"]) if info.get("type") != "directory" else None
 
-        _request("head")
+        count_request("head")
         return retrying(stat, self.where(key))
 
     def list_sizes(self, prefix: str) -> dict[str, int]:
@@ -321,13 +195,13 @@ class RemoteStorage(Storage):
                 if e.get("type") == "file"
             }
 
-        _request("list")
+        count_request("list")
         return retrying(listing, self.where(prefix))
 
     def read_range(self, key: str, offset: int, size: int) -> bytes:
         if size == 0:
             return b""
-        _request("get", size)
+        count_request("get", size)
         if self._reads is not None:
             return retrying(lambda: self._reads.read_range(key, offset, size), self.where(key))
         return retrying(
@@ -343,18 +217,18 @@ class RemoteStorage(Storage):
         return self.read_range(key, 0, size)
 
     def get_file(self, key: str, local: Path) -> None:
-        _request("get")
+        count_request("get")
         if self._reads is not None:
             retrying(lambda: self._reads.get_file(key, local), self.where(key))
         else:
             retrying(lambda: self.fs.get_file(self._key(key), str(local)), self.where(key))
 
     def put(self, key: str, data: bytes) -> None:
-        _request("put", len(data))
+        count_request("put", len(data))
         retrying(lambda: self.fs.pipe_file(self._key(key), data), self.where(key))
 
     def put_file(self, key: str, local: Path) -> None:
-        _request("put", local.stat().st_size)
+        count_request("put", local.stat().st_size)
         retrying(lambda: self.fs.put_file(str(local), self._key(key)), self.where(key))
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
@@ -374,7 +248,7 @@ class RemoteStorage(Storage):
             except FileNotFoundError:
                 return None
 
-        _request("head")
+        count_request("head")
         return retrying(tag, self.where(key))
 
     def replace_if(self, key: str, data: bytes, etag: str) -> bool:
@@ -389,7 +263,7 @@ class RemoteStorage(Storage):
                 raise
             return True
 
-        _request("put", len(data))
+        count_request("put", len(data))
         return retrying(replace, self.where(key))
 
     def delete(self, key: str) -> None:

@@ -15,7 +15,7 @@ reads them (`AWS_ENDPOINT_URL[_S3]`, `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`
 `AWS_PROFILE` with `~/.aws/config` and `~/.aws/credentials`, `AWS_REGION`/`AWS_DEFAULT_REGION`); refreshable
 credentials (a role, SSO) are asked of botocore again when they expire. Where obstore cannot do what s3fs
 would (no credentials found: s3fs's anonymous or instance-metadata paths; no region for an AWS endpoint: s3fs
-asks the bucket), reads stay on s3fs. obstore's own retries are off: `storage.retrying` retries and counts.
+asks the bucket), reads stay on s3fs. obstore's own retries are off: `retries.retrying` retries and counts.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class _Refreshing:
 
 
 def _builtin_error(exc: Exception) -> Exception:
-    """obstore's error as `storage.retrying` sorts s3fs's: a connection or timeout error (retried), a refused
+    """obstore's error as `retries.retrying` sorts s3fs's: a connection or timeout error (retried), a refused
     credential (PermissionError), the service's answer by its code (`ServiceError`), a range past the end in
     s3fs's words; anything else as it is."""
     from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
@@ -126,7 +126,7 @@ def _builtin_error(exc: Exception) -> Exception:
 
 
 class ServiceError(OSError):
-    """The service's error answer shaped as botocore's (`response`), so that `storage.retrying` sorts it by its
+    """The service's error answer shaped as botocore's (`response`), so that `retries.retrying` sorts it by its
     code as it sorts s3fs's (SlowDown: throttled; InternalError, 5xx: server_error; others: not retried)."""
 
     def __init__(self, text: str, code: str):

@@ -6,10 +6,11 @@ import pytest
 import torch
 from dflash.train.acceptance import accepted_lengths, decode_walk, per_position_acceptance, tau, walk_tau
 from dflash.train.blocks import SequenceInput, eligible_anchors, make_packed_batch
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.frozen import FrozenTarget
 from dflash.train.loss import drafter_loss
 from dflash.train.mask import build_attention_mask
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DFlashDrafter
 
 from tests.common.tiny_shapes import tiny_target
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_quality, quality_data, quality_sizes, quality_target
+from bench import bench_quality, quality_data, quality_phases, quality_sizes, quality_target
 from bench.quality_report import SPLIT_CLASSES, print_split_table, print_table
 
 
@@ -136,7 +136,7 @@ def test_gen_batch_generates_every_row_in_batches_of_that_many_and_records_it(
         batches.append(spec.gen_batch)
         return generate(target_dir, prompts, spec, pad_id, device)
 
-    monkeypatch.setattr(bench_quality, "greedy_continuations", spy)
+    monkeypatch.setattr(quality_phases, "greedy_continuations", spy)
     work = tmp_path / "q"
     assert bench_quality.main(_ci_argv(work, "--stop-after", "data", "--gen-batch", "7")) == 0
     data = bench_quality.SIZES["ci"].data
@@ -205,7 +205,7 @@ def test_the_extractions_triton_cache_travels_in_the_pack_to_the_next_machine(
 
     monkeypatch.setattr(bench_quality, "phase_target", lambda *a: ({}, None, [], []))
     monkeypatch.setattr(bench_quality, "phase_data", lambda *a: {})
-    monkeypatch.setattr(bench_quality, "_call", fake_call)
+    monkeypatch.setattr(quality_phases, "_call", fake_call)
     first, packs = tmp_path / "first", tmp_path / "packs"
     argv = [
         "--size",
@@ -401,7 +401,7 @@ def test_prose_target_trains_on_chat_rows_and_packs_into_its_own_folder(
     def no_corpus(*_args):
         raise AssertionError("the corpus was read again")
 
-    monkeypatch.setattr(bench_quality, "read_prose_corpus", no_corpus)
+    monkeypatch.setattr(quality_phases, "read_prose_corpus", no_corpus)
     again = tmp_path / "again"
     argv = _ci_argv(again, "--target", "prose", "--unpack", str(pack))
     assert bench_quality.main([*argv, "--stop-after", "data"]) == 0
@@ -684,7 +684,7 @@ def test_recipe_defaults_trains_what_dflash_train_does_with_no_recipe_flag(tmp_p
     runs = quality_sizes.plan_runs(tmp_path, replace(size, seeds=2, fractions=(1.0,)), ["fp8"], {"base": ()})
     meta = {"eval_rows": [7, 8]}
     for run in runs:
-        flags = bench_quality.run_flags(run, tmp_path, size, meta, "cuda", [])
+        flags = quality_phases.run_flags(run, tmp_path, size, meta, "cuda", [])
         trained = build_config(flags)
         plain = default_recipe(cache=trained.cache, out=trained.out)
         # Every choice of the recipe is the trainer's own (the evaluation and logging flags differ only).
@@ -697,7 +697,7 @@ def test_recipe_defaults_trains_what_dflash_train_does_with_no_recipe_flag(tmp_p
         assert trained.eval_every == (quality_sizes.DEFAULTS_CURVE_EVERY if run.curve else 1 << 30)
     # --steps still bounds such a run, and nothing else of the recipe changes.
     short = replace(size, drafter=replace(size.drafter, steps=300))
-    flags = bench_quality.run_flags(runs[1], tmp_path, short, meta, "cuda", [])
+    flags = quality_phases.run_flags(runs[1], tmp_path, short, meta, "cuda", [])
     assert build_config(flags).optim.max_steps == 300
     # The evaluation is built from the size's block size, anchors and pack budget: a size whose differ from the
     # trainer's defaults is refused, not scored on another block size.

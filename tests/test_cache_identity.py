@@ -14,11 +14,12 @@ from dflash.shards.errors import ManifestMismatch, ShardError
 from dflash.train.config import tiny_debug
 from dflash.train.data_plan import heldout_mask
 from dflash.train.data_spec import DataSpec
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.evaluate import build_eval_set, evaluate
 from dflash.train.frozen import load_frozen_target
 from dflash.train.loop import train
 from dflash.train.metrics import read_metrics
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DFlashDrafter
 
 from tests.common.fake_cache import corrupt_sample, write_fake_cache
 

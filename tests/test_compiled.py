@@ -13,10 +13,11 @@ import pytest
 import torch
 from dflash.train.blocks import SequenceInput, make_packed_batch
 from dflash.train.compiled import CompiledOrEager, regions_backend, speed_up
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.frozen import FrozenTarget
 from dflash.train.loss import chunk_bounds, chunk_terms, drafter_loss
 from dflash.train.mask import build_attention_mask
-from dflash.train.model import EAGER_REGIONS, DFlashDrafter, DrafterConfig, Regions
+from dflash.train.model import EAGER_REGIONS, DFlashDrafter, Regions
 
 from tests.common.tiny_shapes import tiny_target
 

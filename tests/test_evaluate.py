@@ -13,11 +13,12 @@ from dflash.train import mask as mask_module
 from dflash.train.acceptance import accepted_lengths, decode_walk, walk_tau
 from dflash.train.blocks import eligible_anchors
 from dflash.train.data_spec import DataSpec
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.evaluate import build_eval_set, evaluate
 from dflash.train.frozen import load_frozen_target
 from dflash.train.lookup import lookup_accepted
 from dflash.train.lookup_split import CLASSES, span_room
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DFlashDrafter
 
 from tests.common.fake_cache import write_fake_cache
 

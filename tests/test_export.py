@@ -9,10 +9,11 @@ import pytest
 import torch
 from dflash.shards.errors import ShardError
 from dflash.train.blocks import SequenceInput, make_packed_batch
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.export import export_drafter, hf_config_dict, load_drafter
 from dflash.train.frozen import FrozenTarget
 from dflash.train.mask import build_attention_mask
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DFlashDrafter
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 

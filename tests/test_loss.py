@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 from dflash.train.blocks import SequenceInput, make_packed_batch
 from dflash.train.config import default_gamma
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.frozen import FrozenTarget
 from dflash.train.loss import Distill, LossStats, drafter_loss, linear_cross_entropy, teacher_rows
 from dflash.train.mask import build_attention_mask
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DFlashDrafter
 
 from tests.common.tiny_shapes import tiny_target
 

@@ -12,9 +12,10 @@ import torch
 from dflash.train.blocks import SequenceInput, make_packed_batch
 from dflash.train.cli import build_config
 from dflash.train.config import config_from_flat
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.frozen import FrozenTarget
 from dflash.train.mask import DenseMask, FlexMask, build_attention_mask, choose_backend, dense_mask
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DFlashDrafter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -9,9 +9,10 @@ import torch
 from dflash.shards.errors import ShardError
 from dflash.shards.layers import default_layer_ids as default_target_layer_ids
 from dflash.train.blocks import SequenceInput, make_packed_batch
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.frozen import FrozenTarget, load_frozen_target
 from dflash.train.mask import build_attention_mask
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.model import DFlashDrafter
 from safetensors.torch import save_file
 
 from tests.common.tiny_shapes import tiny_target

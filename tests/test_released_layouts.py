@@ -23,11 +23,11 @@ from dflash.tools.tiny import build_tiny_tokenizer
 from dflash.train import checkpoint as ckpt
 from dflash.train.blocks import make_packed_batch
 from dflash.train.cli import main as train_main
+from dflash.train.drafter_config import DrafterConfig
 from dflash.train.export import load_drafter
 from dflash.train.frozen import load_frozen_target
 from dflash.train.mask import build_attention_mask
 from dflash.train.metrics import read_metrics
-from dflash.train.model import DrafterConfig
 from safetensors.torch import load_file
 
 from tests.common.datasets import make_rows

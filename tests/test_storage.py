@@ -1,4 +1,4 @@
-"""`shards/storage.py` and `shards/urls.py` without a server: retries, error lines, URL rules, local storage."""
+"""`shards/storage.py`, `shards/retries.py` and `shards/urls.py` without a server: retries, error lines, URL rules, local storage."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
-from dflash.shards import storage
-from dflash.shards.storage import LocalStorage, retrying, transient_counts
+from dflash.shards import retries
+from dflash.shards.retries import retrying, transient_counts
+from dflash.shards.storage import LocalStorage
 from dflash.shards.urls import check_url, is_url, local_path
 
 
 @pytest.fixture(autouse=True)
 def _fast(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(retries, "BACKOFF_S", 0.0)
 
 
 def _client_error(code: str, status: int) -> ClientError:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from dflash.shards import Cache
-from dflash.shards.storage import transient_counts
+from dflash.shards.retries import transient_counts
 from dflash.shards.verify import verify_cache
 
 from tests.common.extract import make_config, reference_setup, shard_bytes, tiny_rows
@@ -196,10 +196,10 @@ def test_server_gone_for_good_fails_in_one_line_then_resume_completes(
 ) -> None:
     from dflash.extract import stages
     from dflash.extract.cli import run_config
-    from dflash.shards import storage
+    from dflash.shards import retries
     from dflash.shards.cli import run_main
 
-    monkeypatch.setattr(storage, "BACKOFF_S", 0.02)  # six attempts in ~1 s
+    monkeypatch.setattr(retries, "BACKOFF_S", 0.02)  # six attempts in ~1 s
     bucket = s3.new_bucket()
     url = f"s3://{bucket}/c"
     config = make_config(**{**_spec(setup, url, tmp_path / "stage"), "unit_bytes": UNIT_BYTES})

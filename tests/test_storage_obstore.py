@@ -9,10 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from dflash.shards import storage
+from dflash.shards import retries, storage
 from dflash.shards.errors import ShardError
 from dflash.shards.remote_cache import RemoteFile
-from dflash.shards.storage import open_storage, request_counts, transient_counts
+from dflash.shards.retries import request_counts, transient_counts
+from dflash.shards.storage import open_storage
 
 pytest.importorskip("obstore")
 CLIENTS = {"s3fs": "fsspec", "obstore": "obstore"}  # DFLASH_S3_CLIENT -> read_client
@@ -59,7 +60,7 @@ def test_obstore_errors_are_sorted_as_s3fs_errors(detail: str, kind: str | None)
     """The retry rules see obstore's errors as they see botocore's: the same kinds counted, the rest raised."""
     from dflash.shards.storage_obstore import _builtin_error
 
-    assert storage._transient_kind(_builtin_error(_generic(detail))) == kind
+    assert retries._transient_kind(_builtin_error(_generic(detail))) == kind
 
 
 def test_both_clients_read_the_same_bytes_and_count_the_same(obj, monkeypatch, tmp_path: Path) -> None:
@@ -103,7 +104,7 @@ def test_missing_key_and_short_read_give_the_same_one_line_errors(obj, monkeypat
 def test_obstore_reads_are_retried_and_counted_while_the_server_is_down(obj, s3, monkeypatch) -> None:
     url, data = obj
     remote = _open(url, "obstore", monkeypatch)
-    monkeypatch.setattr(storage, "BACKOFF_S", 0.05)
+    monkeypatch.setattr(retries, "BACKOFF_S", 0.05)
     before = transient_counts()
     s3.down()
     back = threading.Timer(0.4, s3.up)

@@ -239,7 +239,7 @@ def test_loader_workers_range_reads_count_in_the_training_process(s3, tmp_path: 
     """A run's `storage_retries` and a benchmark's request counts are the training process's: its loader
     workers' requests are added to them, batch by batch."""
     from common.fake_cache import write_fake_cache
-    from dflash.shards.storage import request_counts
+    from dflash.shards.retries import request_counts
     from dflash.train.data_spec import DataSpec
     from dflash.train.loader_procs import ProcessLoader
 

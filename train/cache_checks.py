@@ -10,8 +10,8 @@ from dflash.shards import Cache, target_fingerprint
 from dflash.shards.errors import ManifestMismatch
 
 if TYPE_CHECKING:
+    from .drafter_config import DrafterConfig
     from .frozen import FrozenTarget
-    from .model import DrafterConfig
 
 
 def check_cache(cache: Cache, frozen: FrozenTarget, drafter_cfg: DrafterConfig) -> None:

@@ -260,8 +260,9 @@ def parse_command(argv: Sequence[str]) -> tuple[Any, bool]:
 def export_main(argv: Sequence[str]) -> int:
     from . import checkpoint as ckpt
     from .checkpoint_files import read_meta
+    from .drafter_config import DrafterConfig
     from .export import export_drafter
-    from .model import DFlashDrafter, DrafterConfig
+    from .model import DFlashDrafter
 
     args = _export_parser().parse_args(argv)
     local_path(args.run_dir, "RUN_DIR")

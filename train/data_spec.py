@@ -29,7 +29,7 @@ from .config import TrainConfig
 from .data_plan import SampleRef, ShardEntries
 
 if TYPE_CHECKING:
-    from .model import DrafterConfig
+    from .drafter_config import DrafterConfig
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from dflash.shards.safe_io import read_json
 from dflash.shards.tensor_io import save_tensors
 from safetensors import safe_open
 
-from .model import DFlashDrafter, DrafterConfig, rope_settings
+from .drafter_config import DrafterConfig, rope_settings
+from .model import DFlashDrafter
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

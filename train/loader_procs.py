@@ -36,12 +36,13 @@ from typing import Any, BinaryIO
 
 import torch
 from dflash.shards import errors as shard_errors
-from dflash.shards.storage import merge_counts
+from dflash.shards.retries import merge_counts
 from dflash.shards.threads import keep_own_threads, one_torch_thread
 
 from . import batch_wire
 from .data_spec import DataSpec
-from .loader import END, Job, LoadedBatch, StreamingLoader, stoppable_put
+from .loaded_batch import END, Job, LoadedBatch, stoppable_put
+from .loader import StreamingLoader
 from .mask import flex_failure
 
 log = logging.getLogger(__name__)

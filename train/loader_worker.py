@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import torch
 from dflash.shards import Cache
 from dflash.shards.errors import ShardError
-from dflash.shards.storage import request_counts, transient_counts
+from dflash.shards.retries import request_counts, transient_counts
 from dflash.shards.threads import one_torch_thread
 
 from . import batch_wire

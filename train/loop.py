@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 from dflash.shards.atomic import atomic_write_json
-from dflash.shards.storage import storage_retries
+from dflash.shards.retries import storage_retries
 
 from .config import TrainConfig
-from .loader import LoadedBatch
+from .loaded_batch import LoadedBatch
 from .metrics import LogWindow, MetricsLogger
 from .parallelize import barrier
 from .startup import describe

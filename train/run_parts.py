@@ -37,9 +37,9 @@ from . import checkpoint as ckpt
 from .cache_checks import check_cache
 from .config import TrainConfig
 from .data_spec import DataSpec, read_eval_rows
+from .drafter_config import DrafterConfig
 from .frozen import FrozenTarget, load_frozen_target
 from .guards import check_frozen_finite, check_trainable
-from .model import DrafterConfig
 from .parallelize import DistInfo, barrier, init_distributed
 from .startup import StartupClock
 

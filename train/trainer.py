@@ -33,15 +33,16 @@ from .checkpoint_files import CheckpointError
 from .compiled import speed_up
 from .config import TrainConfig
 from .data_spec import DataSpec
+from .drafter_config import DrafterConfig
 from .evaluate import EvalSet, build_eval_set, evaluate
 from .export import export_drafter
 from .frozen import FrozenTarget
 from .guards import FiniteGuard
-from .loader import LoadedBatch
+from .loaded_batch import LoadedBatch
 from .loader_procs import streaming_loader
 from .loss import Distill, drafter_loss
 from .mask import build_attention_mask
-from .model import DFlashDrafter, DrafterConfig
+from .model import DFlashDrafter
 from .parallelize import (
     DistInfo,
     all_reduce_sum,

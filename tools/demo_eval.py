@@ -38,8 +38,9 @@ def untrained_drafter(cfg: TrainConfig) -> DFlashDrafter:
     """The drafter the trainer starts from: same config and same seeded init (`torch.manual_seed(seed)`,
     then construction, as `trainer.train` does), built without touching the caller's RNG state."""
     import torch
+    from dflash.train.drafter_config import DrafterConfig
     from dflash.train.frozen import load_frozen_target
-    from dflash.train.model import DFlashDrafter, DrafterConfig
+    from dflash.train.model import DFlashDrafter
 
     frozen = load_frozen_target(cfg.cache, mask_token_id=cfg.drafter.mask_token_id)
     drafter_cfg = DrafterConfig.from_target_config(

@@ -4,7 +4,7 @@ local directory and from a local S3 server?
     python bench/bench_data_wait.py --json dw.json                 # CUDA: the small drafter, 3 codecs x 3 sources
     python bench/bench_data_wait.py --shape tiny --device cpu --samples 96 --train-seconds 4    # every path, CPU
 
-For each codec a synthetic cache is written (`bench_train.write_cache`) and, for the s3 sources, uploaded to
+For each codec a synthetic cache is written (`synthetic_cache.write_cache`) and, for the s3 sources, uploaded to
 s3://<bucket>/<codec> on moto's standalone server on a free local port (`tests/common/s3.py`, reached directly,
 not through the fault tests' relay). Then per source `train()` runs for `--train-seconds` after its second step
 (`bench_train.train_phase`: compile excluded) reading
@@ -43,7 +43,8 @@ from dflash.shards.storage_obstore import s3_client
 from dflash.train.metrics import read_metrics
 
 from bench.bench_loader import SHAPES, measure, server_ceiling
-from bench.bench_train import train_config, train_phase, write_cache
+from bench.bench_train import train_config, train_phase
+from bench.synthetic_cache import write_cache
 from tests.common.s3 import S3Server, upload_dir
 
 SOURCES = ("local", "s3", "s3+disk")

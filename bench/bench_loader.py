@@ -4,7 +4,7 @@ local S3 server (moto's, started here), and what that costs per core and per GB/
     python bench/bench_loader.py                       # CPU: the quality benchmark's drafter shape, 3 codecs
     python bench/bench_loader.py --device cuda --threads 2,4,8 --seconds 10 --samples 4000
 
-For each codec a synthetic cache of LLM-like hidden states is written (`bench_train.write_cache`), then the
+For each codec a synthetic cache of LLM-like hidden states is written (`synthetic_cache.write_cache`), then the
 real `StreamingLoader` runs alone for `--seconds` at each thread count, reading it
   local   from the directory (pread),
   s3      from s3://bench/<codec> on a moto server on a free local port (range requests),
@@ -34,8 +34,8 @@ from dflash.train.config import paper_recipe
 from dflash.train.drafter_config import DrafterConfig
 from dflash.train.loader import StreamingLoader
 
-from bench.bench_train import write_cache
 from bench.shapes import QWEN3_8B, SMALL, TINY
+from bench.synthetic_cache import write_cache
 from tests.common.s3 import S3Server, upload_dir
 
 SHAPES = {

@@ -68,16 +68,20 @@ poll)
       if [ -n "$q" ]; then cp "$q" "$dest/$t-quality.json"; fi
     done
     # pack parts written by `--pack W/pack`: a target built across calls comes back with the call that sees
-    # its build end (`pack` writes each part under a hidden name and renames it whole: `*` copies whole parts)
-    if [ -d "$work/pack" ]; then cp "$work"/pack/* "$dest"/ 2>/dev/null; fi
+    # its build end (`pack` writes each part under a hidden name and renames it whole: `*` copies whole parts,
+    # and a part already in DEST is this one, so `-n` copies each once a call)
+    if [ -d "$work/pack" ]; then cp -n "$work"/pack/* "$dest"/ 2>/dev/null; fi
     return 0
   }
+  declare -A shown=()
   while :; do
     pending=0
     for log in "$work"/*.log; do
       t=$(basename "$log" .log)
       if ! grep -q "^== exit" "$log" 2>/dev/null; then pending=$((pending + 1)); fi
-      echo "== $t: $(grep -E '^\[' "$log" | tail -n 1)"
+      # a target's phase line when it changed since the last round (a device call's output keeps only its end)
+      phase=$(grep -E '^\[' "$log" | tail -n 1)
+      if [ "$phase" != "${shown[$t]:-}" ]; then echo "== $t: $phase"; shown[$t]=$phase; fi
       for m in $(find "$work/$t" -name metrics.jsonl 2>/dev/null | sort); do
         line=$(grep '"tau_walk"' "$m" | tail -n 1)
         last=$(tail -n 1 "$m")
@@ -88,13 +92,13 @@ run = path.split("/")[-2]
 step = json.loads(last).get("step") if last else None
 e = json.loads(ev) if ev else {}
 keys = ("step", "tau", "tau_walk", "tau_walk_lookup")
-print(f"   {run}: step {step}; last eval " + ", ".join(f"{k} {e[k]}" for k in keys if k in e))
+print(f"   {run}: step {step}; last eval " + ", ".join(f"{k} {round(e[k], 3)}" for k in keys if k in e))
 EOF
       done
     done
     collect
     if [ "$pending" -eq 0 ] || [ "$SECONDS" -ge "$end" ]; then break; fi
-    sleep 30
+    sleep "${POLL_EVERY:-30}"  # seconds between rounds (tests shorten it)
   done
   ;;
 *)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -642,10 +643,11 @@ def test_chat_prompts_are_a_user_turn_and_the_start_of_its_answer() -> None:
     assert all((p == rows[0][: len(p)]).all() for p in prompts)  # the row without a header is never cut
 
 
-def _poll(work: Path, dest: Path) -> subprocess.CompletedProcess:
+def _poll(work: Path, dest: Path, seconds: int = 300) -> subprocess.CompletedProcess:
     script = Path(__file__).parents[1] / "bench" / "quality_targets.sh"
-    argv = ["bash", str(script), "poll", str(work), "300", str(dest)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    argv = ["bash", str(script), "poll", str(work), str(seconds), str(dest)]
+    env = {**os.environ, "POLL_EVERY": "0.2"}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=20, env=env)
 
 
 def test_poll_ends_at_once_on_a_machine_that_did_not_start_the_runs(tmp_path: Path) -> None:
@@ -674,6 +676,28 @@ def test_poll_copies_an_ended_runs_report_and_evaluations_then_stops(tmp_path: P
     assert "== exit 0" in tail and '"tau_walk": 3.9' in tail
     assert json.loads((tmp_path / "dest" / "code-quality.json").read_text()) == {"runs": []}
     assert (tmp_path / "dest" / "quality-work.txz.00").read_bytes() == b"part"  # `--pack W/pack` comes back
+
+
+def test_poll_prints_a_targets_phase_once_and_every_runs_step_each_round(tmp_path: Path) -> None:
+    # A device call's reply keeps only the end of its output: one unchanged phase line a round filled it.
+    work = tmp_path / "qt"
+    run = work / "hybrid" / "runs" / "base-fp8-f1-s0"
+    run.mkdir(parents=True)
+    evaluation = {
+        "step": 1000,
+        "tau": 3.2671588678,
+        "tau_walk": 2.7475787941,
+        "tau_walk_lookup": 2.7554869492,
+    }
+    (run / "metrics.jsonl").write_text(json.dumps(evaluation) + "\n")
+    (work / "hybrid.log").write_text("[extract q4] 161 s\n")  # still running: no `== exit`
+    done = _poll(work, tmp_path / "dest", seconds=1)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("== hybrid: [extract q4] 161 s") == 1
+    run_line = (
+        "base-fp8-f1-s0: step 1000; last eval step 1000, tau 3.267, tau_walk 2.748, tau_walk_lookup 2.755"
+    )
+    assert done.stdout.count(run_line) >= 2
 
 
 def test_recipe_defaults_trains_what_dflash_train_does_with_no_recipe_flag(tmp_path: Path) -> None:

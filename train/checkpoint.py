@@ -30,6 +30,7 @@ from dflash.shards.errors import DiskFull, ShardError
 from dflash.shards.tensor_io import save_tensors
 
 from .checkpoint_files import (
+    LOADER_FIELDS,
     STEP_DIR_RE,
     CheckpointError,
     check_loader_state,
@@ -120,15 +121,21 @@ def check_complete(ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt} is not a complete checkpoint: missing {', '.join(missing)}")
 
 
+def read_resumable(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(meta, loader position) of a checkpoint a run can resume from: complete, its meta.json holding what a
+    resume reads, its loader.json a data position a run writes."""
+    check_complete(ckpt)
+    meta = read_meta(ckpt, require=("config", "total_steps", "cache_provenance"))
+    path = ckpt / "loader.json"
+    position = check_loader_state(read_json(path), path, meta["config"].get("epochs"), require=LOADER_FIELDS)
+    return meta, position
+
+
 def checkpoint_damage(ckpt: Path) -> str | None:
     """Why `ckpt` cannot be resumed from (a file missing, unreadable or holding what no run writes), or None:
     every file read and checked as a resume would, without loading anything into a model."""
     try:
-        check_complete(ckpt)
-        meta = read_meta(ckpt, require=("config", "total_steps", "cache_provenance"))
-        check_loader_state(
-            read_json(ckpt / "loader.json"), ckpt / "loader.json", meta["config"].get("epochs")
-        )
+        read_resumable(ckpt)
         for name in ("optimizer.json", "rng.json"):
             read_json(ckpt / name)
         for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):

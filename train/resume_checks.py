@@ -16,8 +16,8 @@ from dflash.shards import Manifest, diff_manifests
 from dflash.shards.errors import ManifestMismatch, ShardError
 from dflash.shards.manifest import PROVENANCE_FIELDS, canonical_json
 
-from .checkpoint import check_complete, older_intact_hint
-from .checkpoint_files import LOADER_FIELDS, CheckpointError, check_loader_state, read_json, read_meta
+from .checkpoint import older_intact_hint, read_resumable
+from .checkpoint_files import CheckpointError
 from .config import TrainConfig
 
 # What a run trained with where its checkpoint lacks the key: defaults that changed since the key was added
@@ -124,11 +124,8 @@ def read_resume_state(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(meta, loader state) of the checkpoint a resume continues from, once it is complete, its settings and
     cache are this run's (`check_resume`) and its data position is one a run writes."""
-    check_complete(ckpt)
-    meta = read_meta(ckpt, require=("config", "total_steps", "cache_provenance"))
+    meta, position = read_resumable(ckpt)
     check_resume(meta, cfg_flat, manifest)
-    path = ckpt / "loader.json"
-    position = check_loader_state(read_json(path), path, meta["config"].get("epochs"), require=LOADER_FIELDS)
     return meta, position
 
 

@@ -184,6 +184,18 @@ def write_heldout_files(root: Path, meta: dict[str, Any], fractions: tuple[float
         heldout_file(root, fraction).write_text(json.dumps(heldout))
 
 
+def train_and_export(flags: list[str], run_dir: Path, name: str) -> float:
+    """`dflash-train FLAGS` (its `--out` is `run_dir`), then its export to RUN/final; logged in the runs folder
+    as NAME.log and NAME-export.log, the command line kept as NAME.cmd.json (so `bench/quality_resume.py` can
+    go on from the run as a user would). Returns the training's seconds."""
+    runs = run_dir.parent
+    command_file(runs, name).write_text(json.dumps(flags) + "\n")
+    seconds = _call(_python("dflash.train.cli", *flags), runs / f"{name}.log")
+    _call(_python("dflash.train.cli", "export", str(run_dir), "--out", str(run_dir / "final")),
+          runs / f"{name}-export.log")  # fmt: skip
+    return seconds
+
+
 def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: str, extra: list[str]) -> Run:
     export = run.dir / "final"
     if not (export / "config.json").is_file():
@@ -192,12 +204,7 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
 
             shutil.rmtree(run.dir)
         run.dir.parent.mkdir(parents=True, exist_ok=True)
-        flags = run_flags(run, work, size, meta, device, extra)
-        # the run's own command line, so `bench/quality_resume.py` can go on from it as a user would
-        command_file(run.dir.parent, run.name).write_text(json.dumps(flags) + "\n")
-        seconds = _call(_python("dflash.train.cli", *flags), run.dir.parent / f"{run.name}.log")
-        _call(_python("dflash.train.cli", "export", str(run.dir), "--out", str(export)),
-              run.dir.parent / f"{run.name}-export.log")  # fmt: skip
+        seconds = train_and_export(run_flags(run, work, size, meta, device, extra), run.dir, run.name)
         (run.dir / "bench_seconds.json").write_text(json.dumps({"train_seconds": round(seconds, 1)}))
     run.result["train_seconds"] = json.loads((run.dir / "bench_seconds.json").read_text())["train_seconds"]
     run.result["curve"] = [

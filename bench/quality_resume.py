@@ -4,19 +4,18 @@ line with `--resume` and the new length, in a copy of the run, so the finished r
     python bench/quality_resume.py W/hybrid/runs base-fp8-f1-s0 r9-fp8-f1-s0 --epochs 9
 
 The copy's metrics.jsonl keeps the finished run's evaluations and adds the resumed ones; the copy is
-exported to NEW/final like any run of the benchmark. Its log: RUNS/NEW.log."""
+exported to NEW/final like any run of the benchmark. Its logs: RUNS/NEW.log and RUNS/NEW-export.log."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.quality_phases import command_file
+from bench.quality_phases import command_file, train_and_export
 
 
 def resume_flags(flags: list[str], out: Path, extra: list[str]) -> list[str]:
@@ -41,14 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: {copy} exists")
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns("final"))
     flags = resume_flags(json.loads(cmd_file.read_text()), copy, extra)
-    command_file(args.runs, args.new).write_text(json.dumps(flags) + "\n")
-    train = [sys.executable, "-m", "dflash.train.cli"]
-    with (args.runs / f"{args.new}.log").open("w") as log:
-        for cmd in ([*train, *flags], [*train, "export", str(copy), "--out", str(copy / "final")]):
-            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-            if done.returncode:
-                print(f"{' '.join(cmd[2:5])} ... failed (exit {done.returncode}): see {log.name}")
-                return done.returncode
+    try:
+        train_and_export(flags, copy, args.new)
+    except RuntimeError as exc:  # names the failed command and the end of its log
+        raise SystemExit(f"error: {exc}") from None
     print(f"resumed {args.run} as {args.new}: {copy}")
     return 0
 

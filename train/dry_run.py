@@ -127,9 +127,7 @@ def print_plan(plan: dict[str, Any]) -> None:
     if plan["resume"]:
         step = plan["resume_step"]
         resumes = (
-            "resumes at step " + f"{step:,}"
-            if step is not None
-            else "--resume, no checkpoint yet: from scratch"
+            f"resumes at step {step:,}" if step is not None else "--resume, no checkpoint yet: from scratch"
         )
     held = f"{plan['heldout_fraction']:.1%} of the rows"
     held += f" and {plan['heldout_rows']:,} rows from --eval-rows" if plan["heldout_rows"] else ""

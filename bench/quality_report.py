@@ -3,7 +3,8 @@ held-out rows (`Scorer`), then one row per recipe variant x codec x data size (`
 
 Each run (quality.json's `runs`) also carries the evaluation's split by what prompt lookup accepts on the same
 anchor (`walk_split_*`, see `dflash.train.lookup_split`) and `tau_walk_max`, the walk of max(drafter, lookup)
-per anchor; `print_table` shows them per run after the main table (`print_split_table`)."""
+per anchor; `print_table` shows them per run after the main table (`print_split_table`), after each lossy
+codec's walk against the lossless drafter of the same seed (`codec_gaps`)."""
 
 from __future__ import annotations
 
@@ -146,6 +147,48 @@ def summarize(runs: list[Run], base: dict[str, Any]) -> list[dict[str, Any]]:
     return list(by_key.values())
 
 
+def codec_gaps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each lossy codec's walk against the lossless drafter of the same variant, fraction and seed (one pair per
+    seed: same initialization and data order), beside the lossless drafters' own spread over seeds, which a
+    codec's gap has to clear to mean anything. `runs` are a report's (`run` named VARIANT-CODEC-fF-sS)."""
+    walks: dict[tuple[str, str, str], dict[str, float]] = {}
+    for r in runs:
+        if "tau_walk" in r:
+            variant, codec, fraction, seed = r["run"].rsplit("-", 3)
+            walks.setdefault((variant, fraction, codec), {})[seed] = r["tau_walk"]
+    rows = []
+    for (variant, fraction, codec), by_seed in sorted(walks.items()):
+        lossless = walks.get((variant, fraction, "lossless"), {})
+        seeds = sorted(set(by_seed) & set(lossless), key=lambda s: int(s[1:]))
+        if codec == "lossless" or not seeds:
+            continue
+        ref = np.array([lossless[s] for s in seeds])
+        gaps = [by_seed[s] / lossless[s] - 1 for s in seeds]
+        rows.append({
+            "variant": variant, "fraction": fraction, "codec": codec, "seeds": seeds, "per_seed": gaps,
+            "mean_of_gaps": float(np.mean(gaps)),
+            "gap_of_means": float(np.mean([by_seed[s] for s in seeds]) / ref.mean() - 1),
+            "lossless_spread": float((ref.max() - ref.min()) / ref.mean()),
+        })  # fmt: skip
+    return rows
+
+
+def print_codec_gaps(report: dict[str, Any]) -> None:
+    """The codec table, paired by seed; printed once some codec has a lossless run of its seed beside it."""
+    rows = codec_gaps(report["runs"])
+    if not rows:
+        return
+    print("\ncodecs against lossless, paired by seed (walk / the same seed's lossless walk - 1):")
+    print(
+        f"{'variant, rows, codec':<26} {'per seed':<34} {'mean gap':>9} {'of means':>9} {'lossless spread':>16}"
+    )
+    for row in rows:
+        seeds = " ".join(f"{s} {g:+.1%}" for s, g in zip(row["seeds"], row["per_seed"], strict=True))
+        label = f"{row['variant']}, {row['fraction']}, {row['codec']}"
+        print(f"{label:<26} {seeds:<34} {row['mean_of_gaps']:>+9.1%} {row['gap_of_means']:>+9.1%} "
+              f"{row['lossless_spread']:>16.1%}")  # fmt: skip
+
+
 def print_table(report: dict[str, Any]) -> None:
     base = report["baselines"]
     print(f"\nheld-out rows: {base['prompt_lookup']['eval_samples']} (from files no model trained on); "
@@ -169,13 +212,15 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{row['drafter']:<34} {row['seeds']:>5} {row['tau']:>9.3f} ±{row['tau_spread']:<5.3f} "
               f"{row['tau_walk']:>9.3f} ±{row['tau_walk_spread']:<5.3f} {row['vs_lookup']:>11.2f} "
               f"{_signed_pct(row.get('vs_lossless')):>11} {row['train_s']:>8.0f}")  # fmt: skip
+    print_codec_gaps(report)
     print_split_table(report)
     for curve in report["curves"]:
         points = ", ".join(
             f"{p['step']}: {p['tau']:.2f}/{p.get('tau_walk', float('nan')):.2f}" for p in curve["points"]
         )
         print(f"tau/tau_walk vs steps ({curve['run']}): {points}{_schedule(curve['points'])}")
-    print("phases (s): " + ", ".join(f"{k} {v:.0f}" for k, v in report["seconds"].items()))
+    if report["seconds"]:  # a merged report has no phases of its own
+        print("phases (s): " + ", ".join(f"{k} {v:.0f}" for k, v in report["seconds"].items()))
 
 
 def _schedule(points: list[dict[str, Any]]) -> str:

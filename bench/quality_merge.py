@@ -1,0 +1,112 @@
+"""One table from quality reports of the same target, rows and recipe written by different sessions (a device
+call fits a seed or two, the issue's criteria want three):
+
+    python bench/quality_merge.py bench/reports/hybrid-defaults-codecs-s0.json \
+        bench/reports/hybrid-defaults-codecs-s1.json [--json merged.json]
+
+Reports merge only where their drafters were trained and scored alike: the same target weights, training rows,
+held-out rows (prompt lookup's walk on them), recipe, drafter size and scoring cache; anything else is refused
+in one line naming the field and both files. Each run may appear in one report only. The merged report prints
+as `bench_quality.py` prints its own: mean and spread over every seed, and each lossy codec against the lossless
+drafter of its seed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.quality_report import print_table, summarize
+from bench.quality_sizes import Run
+
+# What makes two reports' drafters comparable: (what it is, where it is in a report).
+SAME = (
+    ("target weights", ("target", "weights_sha256")),
+    ("training rows", ("data", "rows_sha256")),
+    ("held-out rows (prompt lookup's walk on them)", ("baselines", "prompt_lookup", "tau_walk")),
+    ("held-out row count", ("baselines", "prompt_lookup", "eval_samples")),
+    ("recipe", ("recipe",)),
+    ("drafter size", ("size", "drafter")),
+    ("scoring cache", ("scored_on",)),
+)
+
+
+def _at(report: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        report = report.get(key) if isinstance(report, dict) else None
+    return report
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: {path}: not a readable quality report ({exc})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("runs"), list) or "baselines" not in report:
+        raise SystemExit(f"error: {path}: not a quality report (no runs or baselines)")
+    return report
+
+
+def run_of(entry: dict[str, Any]) -> Run:
+    """A report's run entry back as the `Run` it was (its name says variant, codec, fraction and seed)."""
+    variant, codec, fraction, seed = entry["run"].rsplit("-", 3)
+    result = {k: v for k, v in entry.items() if k not in ("run", "flags")}
+    return Run(
+        variant=variant, flags=tuple(entry.get("flags", ())), codec=codec, fraction=float(fraction[1:]),
+        seed=int(seed[1:]), dir=Path("."), curve="curve" in result, result=result,
+    )  # fmt: skip
+
+
+def merge(reports: dict[Path, dict[str, Any]]) -> dict[str, Any]:
+    """The reports as one: the first's target, data and baselines, every report's runs and curves."""
+    (first, base), *rest = reports.items()
+    for path, report in rest:
+        for what, where in SAME:
+            if _at(report, where) != _at(base, where):
+                raise SystemExit(
+                    f"error: {path}: another {what} than {first} ({_at(report, where)!r} against "
+                    f"{_at(base, where)!r}): its drafters are not comparable"
+                )
+    seen: dict[str, Path] = {}
+    for path, report in reports.items():
+        for entry in report["runs"]:
+            if entry["run"] in seen:
+                raise SystemExit(f"error: run {entry['run']} is in both {seen[entry['run']]} and {path}")
+            seen[entry["run"]] = path
+    entries = [e for r in reports.values() for e in r["runs"]]
+    runs = [run_of(e) for e in entries]
+    return {
+        **{k: base[k] for k in ("target_kind", "size", "target", "data", "baselines", "recipe", "scored_on")},
+        "table": summarize(runs, base["baselines"]),
+        "curves": [c for r in reports.values() for c in r.get("curves", [])],
+        "runs": entries,
+        "train_args": {str(p): r.get("train_args") for p, r in reports.items()},
+        "seconds": {},
+        "merged_from": [str(p) for p in reports],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("reports", type=Path, nargs="+", help="quality.json files (bench_quality.py's --json)")
+    p.add_argument("--json", type=Path, help="also write the merged report here")
+    args = p.parse_args(argv)
+    reports = {path: read_report(path) for path in args.reports}
+    if len(reports) < len(args.reports):
+        raise SystemExit("error: a report is named twice")
+    merged = merge(reports)
+    print(f"{merged['target_kind']} target, weights {str(_at(merged, SAME[0][1]))[:12]}, rows "
+          f"{str(_at(merged, SAME[1][1]))[:12]}; {len(merged['runs'])} runs from {len(reports)} reports")  # fmt: skip
+    for path, train_args in merged["train_args"].items():
+        print(f"  {path}: extra dflash-train flags {train_args or '(none)'}")
+    print_table(merged)
+    if args.json:
+        args.json.write_text(json.dumps(merged, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

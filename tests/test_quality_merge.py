@@ -1,0 +1,109 @@
+"""`bench/quality_merge.py`: quality reports of one target from several sessions as one table, and each codec
+against the lossless drafter of its own seed (`quality_report.codec_gaps`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import quality_merge
+from bench.quality_report import codec_gaps
+
+REPORTS = Path(__file__).parents[1] / "bench" / "reports"
+
+
+def _report(walks: dict[str, float], weights: str = "w0") -> dict:
+    """A report as bench_quality.py writes it, with one run per name (VARIANT-CODEC-fF-sS) and its walk."""
+    runs = [{"run": name, "flags": [], "tau": 2 * walk, "tau_walk": walk, "train_seconds": 100.0}
+            for name, walk in walks.items()]  # fmt: skip
+    return {
+        "target_kind": "code", "size": {"drafter": {"block_size": 16}}, "target": {"weights_sha256": weights},
+        "data": {"rows_sha256": "r0"}, "recipe": "defaults", "scored_on": "lossless", "train_args": "",
+        "baselines": {"prompt_lookup": {"tau": 6.0, "tau_walk": 2.0, "eval_samples": 256},
+                      "untrained": {"tau": 1.0, "tau_walk": 1.0}},
+        "table": [], "curves": [], "runs": runs, "seconds": {"train": 1.0},
+    }  # fmt: skip
+
+
+def _write(path: Path, report: dict) -> Path:
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_two_sessions_seeds_merge_into_one_table_and_codecs_pair_by_seed(tmp_path: Path, capsys) -> None:
+    a = _write(tmp_path / "a.json", _report({"base-lossless-f1-s0": 4.0, "base-fp8-f1-s0": 4.2}))
+    b = _write(tmp_path / "b.json", _report({"base-lossless-f1-s1": 5.0, "base-fp8-f1-s1": 4.5}))
+    assert quality_merge.main([str(a), str(b), "--json", str(tmp_path / "m.json")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    rows = {row["drafter"]: row for row in merged["table"]}
+    fp8, lossless = rows["base: fp8, 100% rows"], rows["base: lossless, 100% rows"]
+    assert fp8["seeds"] == lossless["seeds"] == 2
+    assert fp8["tau_walk"] == pytest.approx(4.35) and lossless["tau_walk_spread"] == pytest.approx(1.0)
+    assert fp8["vs_lossless"] == pytest.approx(4.35 / 4.5 - 1)
+    (gap,) = codec_gaps(merged["runs"])
+    assert gap["seeds"] == ["s0", "s1"] and gap["per_seed"] == pytest.approx([0.05, -0.1])
+    assert gap["mean_of_gaps"] == pytest.approx(-0.025) and gap["lossless_spread"] == pytest.approx(1 / 4.5)
+    out = capsys.readouterr().out
+    assert "base, f1, fp8" in out and "s0 +5.0% s1 -10.0%" in out
+    assert "phases (s)" not in out  # a merged report has none of its own
+
+
+def test_codec_gaps_pair_only_seeds_with_a_lossless_run_and_read_variants_with_dashes() -> None:
+    runs = [
+        {"run": "lr-hi-lossless-f0.5-s2", "tau_walk": 4.0},
+        {"run": "lr-hi-q4-f0.5-s2", "tau_walk": 3.0},
+        {"run": "lr-hi-q4-f0.5-s3", "tau_walk": 9.0},  # no lossless run of seed 3: not paired
+        {"run": "lr-hi-fp8-f0.5-s4", "error": "boom"},  # failed: no walk
+    ]
+    (gap,) = codec_gaps(runs)
+    assert (gap["variant"], gap["fraction"], gap["codec"], gap["seeds"]) == ("lr-hi", "f0.5", "q4", ["s2"])
+    assert gap["per_seed"] == [-0.25] and gap["lossless_spread"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r["target"].update(weights_sha256="w1"), "another target weights than"),
+        (lambda r: r["data"].update(rows_sha256="r1"), "another training rows than"),
+        (lambda r: r.update(recipe="size"), "another recipe than"),
+        (lambda r: r["baselines"]["prompt_lookup"].update(tau_walk=2.5), "another held-out rows"),
+    ],
+)
+def test_reports_of_another_target_rows_or_recipe_are_refused_in_one_line(
+    tmp_path: Path, change, message
+) -> None:
+    a = _write(tmp_path / "a.json", _report({"base-lossless-f1-s0": 4.0}))
+    other = _report({"base-lossless-f1-s1": 5.0})
+    change(other)
+    b = _write(tmp_path / "b.json", other)
+    with pytest.raises(SystemExit) as refused:
+        quality_merge.main([str(a), str(b)])
+    text = str(refused.value)
+    assert text.startswith(f"error: {b}: {message}") and str(a) in text and "\n" not in text
+
+
+def test_a_run_in_two_reports_or_a_file_that_is_no_report_is_refused(tmp_path: Path) -> None:
+    a = _write(tmp_path / "a.json", _report({"base-lossless-f1-s0": 4.0}))
+    b = _write(tmp_path / "b.json", _report({"base-lossless-f1-s0": 4.1}))
+    with pytest.raises(
+        SystemExit, match=r"^error: run base-lossless-f1-s0 is in both .*a.json and .*b.json$"
+    ):
+        quality_merge.main([str(a), str(b)])
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SystemExit, match=r"^error: .*bad.json: not a readable quality report"):
+        quality_merge.main([str(a), str(tmp_path / "bad.json")])
+    _write(tmp_path / "list.json", {"runs": "x"})
+    with pytest.raises(SystemExit, match=r"^error: .*list.json: not a quality report"):
+        quality_merge.main([str(tmp_path / "list.json")])
+
+
+def test_the_recorded_hybrid_codec_seeds_give_benchmarks_numbers(capsys) -> None:
+    # BENCHMARKS.md, "The hybrid's codecs, a second seed": fp8 -1.0% and q4 +1.2% over the two seeds.
+    reports = sorted(REPORTS.glob("hybrid-defaults-codecs-s*.json"))
+    assert quality_merge.main([str(p) for p in reports]) == 0
+    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in reports})
+    gaps = {g["codec"]: g for g in codec_gaps(merged["runs"])}
+    assert round(gaps["fp8"]["gap_of_means"], 3) == -0.01 and round(gaps["q4"]["gap_of_means"], 3) == 0.012
+    assert "6 runs from 2 reports" in capsys.readouterr().out

@@ -5,8 +5,9 @@ call fits a seed or two, the issue's criteria want three):
         bench/reports/hybrid-defaults-codecs-s1.json [--json merged.json]
 
 Reports merge only where their drafters were trained and scored alike: the same target weights, training rows,
-held-out rows (prompt lookup's walk on them), recipe, drafter size and scoring cache; anything else is refused
-in one line naming the field and both files. Each run may appear in one report only. The merged report prints
+held-out rows (prompt lookup's walk on them), recipe, drafter size, scoring cache and extra dflash-train flags
+(but those that change only speed: `SPEED_ONLY`); anything else is refused in one line naming the field and both
+files. Each run may appear in one report only. The merged report prints
 as `bench_quality.py` prints its own: mean and spread over every seed, and each lossy codec against the lossless
 drafter of its seed."""
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,25 @@ SAME = (
     ("drafter size", ("size", "drafter")),
     ("scoring cache", ("scored_on",)),
 )
+
+
+# dflash-train flags that change how fast a run goes, not what it trains (the loader's batches are the same bit
+# for bit with any number of workers or threads: tests/test_loader_procs.py): reports may differ in these.
+SPEED_ONLY = {"--loader-workers": 1, "--loader-threads": 1, "--prefetch-batches": 1, "--log-every": 1,
+              "--no-tensorboard": 0, "--no-plots": 0}  # fmt: skip
+
+
+def recipe_flags(train_args: str | None) -> list[str]:
+    """A report's extra dflash-train flags less the speed-only ones (with their values)."""
+    words, kept = shlex.split(train_args or ""), []
+    while words:
+        word = words.pop(0)
+        name = word.split("=", 1)[0]
+        if name in SPEED_ONLY:
+            del words[: SPEED_ONLY[name] if "=" not in word else 0]
+        else:
+            kept.append(word)
+    return kept
 
 
 def _at(report: dict[str, Any], path: tuple[str, ...]) -> Any:
@@ -70,6 +91,11 @@ def merge(reports: dict[Path, dict[str, Any]]) -> dict[str, Any]:
                     f"error: {path}: another {what} than {first} ({_at(report, where)!r} against "
                     f"{_at(base, where)!r}): its drafters are not comparable"
                 )
+        if recipe_flags(report.get("train_args")) != recipe_flags(base.get("train_args")):
+            raise SystemExit(
+                f"error: {path}: other dflash-train flags than {first} ({report.get('train_args')!r} against "
+                f"{base.get('train_args')!r}): its drafters are not comparable"
+            )
     seen: dict[str, Path] = {}
     for path, report in reports.items():
         for entry in report["runs"]:

@@ -69,6 +69,7 @@ def test_codec_gaps_pair_only_seeds_with_a_lossless_run_and_read_variants_with_d
         (lambda r: r["data"].update(rows_sha256="r1"), "another training rows than"),
         (lambda r: r.update(recipe="size"), "another recipe than"),
         (lambda r: r["baselines"]["prompt_lookup"].update(tau_walk=2.5), "another held-out rows"),
+        (lambda r: r.update(train_args="--loader-workers 2 --lr 1e-3"), "other dflash-train flags than"),
     ],
 )
 def test_reports_of_another_target_rows_or_recipe_are_refused_in_one_line(
@@ -82,6 +83,18 @@ def test_reports_of_another_target_rows_or_recipe_are_refused_in_one_line(
         quality_merge.main([str(a), str(b)])
     text = str(refused.value)
     assert text.startswith(f"error: {b}: {message}") and str(a) in text and "\n" not in text
+
+
+def test_flags_that_change_only_speed_do_not_keep_reports_apart() -> None:
+    assert quality_merge.recipe_flags("--loader-workers 2 --no-plots --log-every=5 --lr 1e-3") == [
+        "--lr",
+        "1e-3",
+    ]
+    assert quality_merge.recipe_flags(None) == quality_merge.recipe_flags("--prefetch-batches 8") == []
+    assert quality_merge.recipe_flags("--eval-every 500") == [
+        "--eval-every",
+        "500",
+    ]  # RUN/export is the best eval
 
 
 def test_a_run_in_two_reports_or_a_file_that_is_no_report_is_refused(tmp_path: Path) -> None:

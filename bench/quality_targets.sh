@@ -16,6 +16,7 @@
 # `poll` on a machine with no logs under W (not the one that ran `start`) ends at once with status 3. Pack parts
 # in W/pack (`start ... --pack W/pack`) are copied into DEST too: a build that outlasts one call (the hybrid
 # target's, `--stop-after data`) comes back with the call that polls it to its end.
+# Runs side by side time-slice the GPU; `source bench/cuda_mps.sh W/mps` before `start` lets their kernels share it.
 # Two of three sessions' second calls landed on a fresh machine (BENCHMARKS.md, 2026-12-04): runs that outlast
 # one call are lost as often as not; plan them to fit one (`bench/quality_profile.sh` follows one inside a call).
 set -u

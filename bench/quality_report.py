@@ -3,8 +3,8 @@ held-out rows (`Scorer`), then one row per recipe variant x codec x data size (`
 
 Each run (quality.json's `runs`) also carries the evaluation's split by what prompt lookup accepts on the same
 anchor (`walk_split_*`, see `dflash.train.lookup_split`) and `tau_walk_max`, the walk of max(drafter, lookup)
-per anchor; `print_table` shows them per run after the main table (`print_split_table`), after each lossy
-codec's walk against the lossless drafter of the same seed (`codec_gaps`)."""
+per anchor. After the main table `print_table` shows each lossy codec's walk against the lossless drafter of the
+same seed (`codec_gaps`), then these per run (`print_split_table`)."""
 
 from __future__ import annotations
 

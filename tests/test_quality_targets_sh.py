@@ -56,7 +56,9 @@ def test_poll_prints_a_targets_phase_once_and_every_runs_step_each_round(tmp_pat
     }
     (run / "metrics.jsonl").write_text(json.dumps(evaluation) + "\n")
     (work / "hybrid.log").write_text("[extract q4] 161 s\n")  # still running: no `== exit`
-    done = _poll(work, tmp_path / "dest", seconds=1)
+    done = _poll(
+        work, tmp_path / "dest", seconds=5
+    )  # bash's SECONDS ticks whole seconds: 1 could end after one round
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("== hybrid: [extract q4] 161 s") == 1
     run_line = (

@@ -56,9 +56,8 @@ def test_poll_prints_a_targets_phase_once_and_every_runs_step_each_round(tmp_pat
     }
     (run / "metrics.jsonl").write_text(json.dumps(evaluation) + "\n")
     (work / "hybrid.log").write_text("[extract q4] 161 s\n")  # still running: no `== exit`
-    done = _poll(
-        work, tmp_path / "dest", seconds=5
-    )  # bash's SECONDS ticks whole seconds: 1 could end after one round
+    # bash's SECONDS ticks whole seconds: a poll of 1 s could end after its first round
+    done = _poll(work, tmp_path / "dest", seconds=5)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("== hybrid: [extract q4] 161 s") == 1
     run_line = (

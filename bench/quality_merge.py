@@ -71,16 +71,6 @@ def read_report(path: Path) -> dict[str, Any]:
     return report
 
 
-def run_of(entry: dict[str, Any]) -> Run:
-    """A report's run entry back as the `Run` it was (its name says variant, codec, fraction and seed)."""
-    variant, codec, fraction, seed = entry["run"].rsplit("-", 3)
-    result = {k: v for k, v in entry.items() if k not in ("run", "flags")}
-    return Run(
-        variant=variant, flags=tuple(entry.get("flags", ())), codec=codec, fraction=float(fraction[1:]),
-        seed=int(seed[1:]), dir=Path("."), curve="curve" in result, result=result,
-    )  # fmt: skip
-
-
 def merge(reports: dict[Path, dict[str, Any]]) -> dict[str, Any]:
     """The reports as one: the first's target, data and baselines, every report's runs and curves."""
     (first, base), *rest = reports.items()
@@ -103,7 +93,7 @@ def merge(reports: dict[Path, dict[str, Any]]) -> dict[str, Any]:
                 raise SystemExit(f"error: run {entry['run']} is in both {seen[entry['run']]} and {path}")
             seen[entry["run"]] = path
     entries = [e for r in reports.values() for e in r["runs"]]
-    runs = [run_of(e) for e in entries]
+    runs = [Run.from_report(e) for e in entries]
     return {
         **{k: base[k] for k in ("target_kind", "size", "target", "data", "baselines", "recipe", "scored_on")},
         "table": summarize(runs, base["baselines"]),

@@ -152,10 +152,10 @@ def codec_gaps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     seed: same initialization and data order), beside the lossless drafters' own spread over seeds, which a
     codec's gap has to clear to mean anything. `runs` are a report's (`run` named VARIANT-CODEC-fF-sS)."""
     walks: dict[tuple[str, str, str], dict[str, float]] = {}
-    for r in runs:
-        if "tau_walk" in r:
-            variant, codec, fraction, seed = r["run"].rsplit("-", 3)
-            walks.setdefault((variant, fraction, codec), {})[seed] = r["tau_walk"]
+    for run in map(Run.from_report, runs):
+        if "tau_walk" in run.result:
+            key = (run.variant, f"f{run.fraction:g}", run.codec)
+            walks.setdefault(key, {})[f"s{run.seed}"] = run.result["tau_walk"]
     rows = []
     for (variant, fraction, codec), by_seed in sorted(walks.items()):
         lossless = walks.get((variant, fraction, "lossless"), {})

@@ -235,6 +235,17 @@ class Run:
     def name(self) -> str:
         return f"{self.variant}-{self.codec}-f{self.fraction:g}-s{self.seed}"
 
+    @classmethod
+    def from_report(cls, entry: dict[str, Any]) -> Run:
+        """A report's run entry (`{"run": NAME, "flags": [...], **result}`) back as the run it was: `name` read
+        from the right (a variant may hold dashes; codecs and the fraction and seed parts do not)."""
+        variant, codec, fraction, seed = entry["run"].rsplit("-", 3)
+        result = {k: v for k, v in entry.items() if k not in ("run", "flags")}
+        return cls(
+            variant=variant, flags=tuple(entry.get("flags", ())), codec=codec, fraction=float(fraction[1:]),
+            seed=int(seed[1:]), dir=Path("."), curve="curve" in result, result=result,
+        )  # fmt: skip
+
 
 def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
     """`"base=;lr=--lr 2e-3"` -> {"base": (), "lr": ("--lr", "2e-3")}: recipe variants trained side by side."""

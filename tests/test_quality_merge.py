@@ -10,6 +10,7 @@ import pytest
 
 from bench import quality_merge
 from bench.quality_report import codec_gaps
+from bench.quality_sizes import Run
 
 REPORTS = Path(__file__).parents[1] / "bench" / "reports"
 
@@ -48,6 +49,21 @@ def test_two_sessions_seeds_merge_into_one_table_and_codecs_pair_by_seed(tmp_pat
     out = capsys.readouterr().out
     assert "base, f1, fp8" in out and "s0 +5.0% s1 -10.0%" in out
     assert "phases (s)" not in out  # a merged report has none of its own
+
+
+def test_a_report_entry_reads_back_as_the_run_it_was() -> None:
+    run = Run(
+        variant="lr-hi", flags=("--lr", "2e-3"), codec="q4", fraction=0.5, seed=2, dir=Path("."), curve=False
+    )
+    back = Run.from_report({"run": run.name, "flags": list(run.flags), "tau_walk": 3.0, "curve": []})
+    assert (back.name, back.variant, back.codec, back.fraction, back.seed) == (
+        run.name,
+        "lr-hi",
+        "q4",
+        0.5,
+        2,
+    )
+    assert back.flags == run.flags and back.result == {"tau_walk": 3.0, "curve": []} and back.curve
 
 
 def test_codec_gaps_pair_only_seeds_with_a_lossless_run_and_read_variants_with_dashes() -> None:

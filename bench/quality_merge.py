@@ -68,6 +68,14 @@ def read_report(path: Path) -> dict[str, Any]:
         raise SystemExit(f"error: {path}: not a readable quality report ({exc})") from None
     if not isinstance(report, dict) or not isinstance(report.get("runs"), list) or "baselines" not in report:
         raise SystemExit(f"error: {path}: not a quality report (no runs or baselines)")
+    for entry in report["runs"]:
+        name = entry.get("run") if isinstance(entry, dict) else None
+        try:
+            Run.from_report(entry)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise SystemExit(
+                f"error: {path}: run {name!r} is not named VARIANT-CODEC-fFRACTION-sSEED"
+            ) from None
     return report
 
 

@@ -123,6 +123,11 @@ def test_a_run_in_two_reports_or_a_file_that_is_no_report_is_refused(tmp_path: P
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(SystemExit, match=r"^error: .*bad.json: not a readable quality report"):
         quality_merge.main([str(a), str(tmp_path / "bad.json")])
+    _write(tmp_path / "named.json", _report({"base-lossless-s0": 4.0}))  # no fraction part
+    with pytest.raises(
+        SystemExit, match=r"^error: .*named.json: run 'base-lossless-s0' is not named VARIANT-"
+    ):
+        quality_merge.main([str(tmp_path / "named.json")])
     _write(tmp_path / "list.json", {"runs": "x"})
     with pytest.raises(SystemExit, match=r"^error: .*list.json: not a quality report"):
         quality_merge.main([str(tmp_path / "list.json")])

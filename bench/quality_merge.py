@@ -55,6 +55,10 @@ def recipe_flags(train_args: str | None) -> list[str]:
     return kept
 
 
+# What a merged report takes from its first report (runs from all); a report lacking one is none.
+KEPT = ("target_kind", "size", "target", "data", "baselines", "recipe", "scored_on", "runs")
+
+
 def _at(report: dict[str, Any], path: tuple[str, ...]) -> Any:
     for key in path:
         report = report.get(key) if isinstance(report, dict) else None
@@ -66,8 +70,9 @@ def read_report(path: Path) -> dict[str, Any]:
         report = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise SystemExit(f"error: {path}: not a readable quality report ({exc})") from None
-    if not isinstance(report, dict) or not isinstance(report.get("runs"), list) or "baselines" not in report:
-        raise SystemExit(f"error: {path}: not a quality report (no runs or baselines)")
+    missing = [k for k in KEPT if not isinstance(report, dict) or k not in report]
+    if missing or not isinstance(report["runs"], list):
+        raise SystemExit(f"error: {path}: not a quality report (no {', '.join(missing) or 'list of runs'})")
     for entry in report["runs"]:
         name = entry.get("run") if isinstance(entry, dict) else None
         try:
@@ -103,7 +108,7 @@ def merge(reports: dict[Path, dict[str, Any]]) -> dict[str, Any]:
     entries = [e for r in reports.values() for e in r["runs"]]
     runs = [Run.from_report(e) for e in entries]
     return {
-        **{k: base[k] for k in ("target_kind", "size", "target", "data", "baselines", "recipe", "scored_on")},
+        **{k: base[k] for k in KEPT if k != "runs"},
         "table": summarize(runs, base["baselines"]),
         "curves": [c for r in reports.values() for c in r.get("curves", [])],
         "runs": entries,

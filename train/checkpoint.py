@@ -174,6 +174,20 @@ def load_checkpoint(
     loader_path = ckpt / "loader.json"
     epochs = meta.get("config", {}).get("epochs")
     loader_state = check_loader_state(read_json(loader_path), loader_path, epochs)
+    load_state(ckpt, model=model, optimizer=optimizer, param_names=param_names, restore_rng=restore_rng)
+    return meta, loader_state
+
+
+def load_state(
+    ckpt: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    param_names: Sequence[str],
+    restore_rng: bool = True,
+) -> None:
+    """The checkpoint's tensors in place: model weights (+ optimizer, + global RNGs). Its meta.json and
+    loader.json are the caller's to read and check (`read_resumable`), once."""
     load_weights(model, ckpt / "model.safetensors")
     if optimizer is not None:
         optimizer_from_flat(
@@ -185,7 +199,6 @@ def load_checkpoint(
         )
     if restore_rng:
         rng_from_flat(read_tensors(ckpt / "rng.safetensors"), read_json(ckpt / "rng.json"), ckpt / "rng")
-    return meta, loader_state
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:

@@ -172,9 +172,7 @@ class Trainer:
             return False
         with naming_older_intact(self.run_dir, found):  # every file checked: a damaged one is one line
             meta, loader_state = read_resume_state(found, self.cfg.to_flat(), self.cache.manifest)
-            ckpt.load_checkpoint(
-                found, model=self.model, optimizer=self.optimizer, param_names=self.param_names
-            )
+            ckpt.load_state(found, model=self.model, optimizer=self.optimizer, param_names=self.param_names)
         self.loader.load_state_dict(loader_state)
         # a run from before the walk chose the best has none: its next evaluation writes RUN/best again
         self.step, self.best_walk = meta["step"], meta.get("best_walk")

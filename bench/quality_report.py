@@ -167,6 +167,7 @@ def codec_gaps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({
             "variant": variant, "fraction": fraction, "codec": codec, "seeds": seeds, "per_seed": gaps,
             "mean_of_gaps": float(np.mean(gaps)),
+            "mean_gap_se": float(np.std(gaps, ddof=1) / np.sqrt(len(gaps))) if len(gaps) > 1 else None,
             "gap_of_means": float(np.mean([by_seed[s] for s in seeds]) / ref.mean() - 1),
             "lossless_spread": float((ref.max() - ref.min()) / ref.mean()),
         })  # fmt: skip
@@ -180,12 +181,14 @@ def print_codec_gaps(report: dict[str, Any]) -> None:
         return
     print("\ncodecs against lossless, paired by seed (walk / the same seed's lossless walk - 1):")
     print(
-        f"{'variant, rows, codec':<26} {'per seed':<34} {'mean gap':>9} {'of means':>9} {'lossless spread':>16}"
+        f"{'variant, rows, codec':<26} {'per seed':<34} {'mean gap':>9} {'± se':>6} {'of means':>9} "
+        f"{'lossless spread':>16}"
     )
     for row in rows:
         seeds = " ".join(f"{s} {g:+.1%}" for s, g in zip(row["seeds"], row["per_seed"], strict=True))
         label = f"{row['variant']}, {row['fraction']}, {row['codec']}"
-        print(f"{label:<26} {seeds:<34} {row['mean_of_gaps']:>+9.1%} {row['gap_of_means']:>+9.1%} "
+        se = "-" if row["mean_gap_se"] is None else f"{row['mean_gap_se']:.1%}"
+        print(f"{label:<26} {seeds:<34} {row['mean_of_gaps']:>+9.1%} {se:>6} {row['gap_of_means']:>+9.1%} "
               f"{row['lossless_spread']:>16.1%}")  # fmt: skip
 
 

@@ -46,8 +46,9 @@ def test_two_sessions_seeds_merge_into_one_table_and_codecs_pair_by_seed(tmp_pat
     (gap,) = codec_gaps(merged["runs"])
     assert gap["seeds"] == ["s0", "s1"] and gap["per_seed"] == pytest.approx([0.05, -0.1])
     assert gap["mean_of_gaps"] == pytest.approx(-0.025) and gap["lossless_spread"] == pytest.approx(1 / 4.5)
+    assert gap["mean_gap_se"] == pytest.approx(0.075)  # sd of (+5%, -10%) over sqrt(2)
     out = capsys.readouterr().out
-    assert "base, f1, fp8" in out and "s0 +5.0% s1 -10.0%" in out
+    assert "base, f1, fp8" in out and "s0 +5.0% s1 -10.0%" in out and "-2.5%   7.5%" in out
     assert "phases (s)" not in out  # a merged report has none of its own
 
 
@@ -76,6 +77,7 @@ def test_codec_gaps_pair_only_seeds_with_a_lossless_run_and_read_variants_with_d
     (gap,) = codec_gaps(runs)
     assert (gap["variant"], gap["fraction"], gap["codec"], gap["seeds"]) == ("lr-hi", "f0.5", "q4", ["s2"])
     assert gap["per_seed"] == [-0.25] and gap["lossless_spread"] == 0.0
+    assert gap["mean_gap_se"] is None  # one seed has no spread to estimate it from
 
 
 @pytest.mark.parametrize(

@@ -44,11 +44,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dataclasses import fields
 
-import dflash.train.compiled as compiled_module
 from dflash.train import block_mask
 from dflash.train import mask as mask_module
 from dflash.train.block_mask import DEFAULT_TILE
 from dflash.train.compiled import CompiledOrEager
+from dflash.train.loss import loss_epilogues
 from dflash.train.mask import flex_failure, visible_pairs
 from dflash.train.model import Regions, flops_per_step
 
@@ -156,7 +156,7 @@ def fallbacks(model: torch.nn.Module) -> list[str]:
         f"{r.name}: {r.failure}"
         for r in [
             *(getattr(regions, f.name, None) for f in fields(Regions)),
-            *compiled_module._epilogues.values(),
+            *loss_epilogues(),
         ]
         if isinstance(r, CompiledOrEager) and r.failure
     ]

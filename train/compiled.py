@@ -1,4 +1,5 @@
-"""The compiled training path: the drafter's regions around attention and the loss epilogue, via torch.compile.
+"""The compiled training path: the drafter's regions around attention, via torch.compile (and the tools
+`loss.py` compiles its epilogue with).
 
 Eager, a Qwen3-8B-shaped step spends a third of its time outside matmuls and attention: RMSNorms in fp32,
 RoPE, SwiGLU, residual adds, autocast casts, and passes over the [rows, vocab] logits, each a separate
@@ -15,7 +16,6 @@ Public API:
                                                and runs `fn` eagerly for the rest of the process
     mark_token_axes(args)                      marks the token axis of every tensor argument dynamic
     compile_backward_now()                     context: lower the backward graph while the forward compiles
-    loss_epilogue(backend) -> CompiledOrEager  the compiled per-chunk cross-entropy terms (see `loss.py`)
     COMPILE_CHOICES = ("auto", "on", "off")
 Compiled artefacts are cached on disk by Inductor (TORCHINDUCTOR_CACHE_DIR, default a per-user temp dir):
 a later run with the same shapes skips code generation, which is most of the time to the first step.
@@ -126,15 +126,3 @@ def regions_backend(model: torch.nn.Module) -> str | None:
     """The compile backend of a drafter's regions (None: eager); sees through DDP's `.module`."""
     regions = getattr(getattr(model, "module", model), "regions", None)
     return regions.backend if isinstance(regions, Regions) else None
-
-
-_epilogues: dict[str, CompiledOrEager] = {}
-
-
-def loss_epilogue(backend: str) -> CompiledOrEager:
-    """One compiled `loss.chunk_terms` per backend for the process (its compiled graphs are shared)."""
-    if backend not in _epilogues:
-        from .loss import chunk_terms
-
-        _epilogues[backend] = CompiledOrEager(chunk_terms, "loss epilogue", backend)
-    return _epilogues[backend]

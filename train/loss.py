@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .acceptance import accepted_lengths
-from .compiled import loss_epilogue, regions_backend
+from .compiled import CompiledOrEager, regions_backend
 
 if TYPE_CHECKING:
     from .blocks import PackedBatch
@@ -93,7 +93,7 @@ def chunk_terms(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk's (sum of scale * CE, argmax, d loss / d logits in the logits' dtype or None).
 
-    Written out of place for torch.compile (`compiled.loss_epilogue`), which fuses it into two passes over
+    Written out of place for torch.compile (`loss_epilogue`), which fuses it into two passes over
     the logits; eagerly it computes exactly what `_chunk_terms_in_place` does, in more memory."""
     x = logits.float()
     lse, loss_sum, preds = _row_terms(x, labels, scale)
@@ -103,6 +103,21 @@ def chunk_terms(
     is_label = torch.arange(x.shape[1], device=x.device) == labels[:, None]
     grad = torch.where(is_label, probs - 1.0, probs) * scale[:, None]  # softmax - onehot, weighted
     return loss_sum, preds, grad.to(logits.dtype)
+
+
+_epilogues: dict[str, CompiledOrEager] = {}
+
+
+def loss_epilogue(backend: str) -> CompiledOrEager:
+    """One compiled `chunk_terms` per backend for the process (its compiled graphs are shared)."""
+    if backend not in _epilogues:
+        _epilogues[backend] = CompiledOrEager(chunk_terms, "loss epilogue", backend)
+    return _epilogues[backend]
+
+
+def loss_epilogues() -> list[CompiledOrEager]:
+    """The epilogues this process compiled (a bench reports which fell back to eager)."""
+    return list(_epilogues.values())
 
 
 def _chunk_terms_in_place(

@@ -30,6 +30,7 @@ from dflash.shards.outdir import claim_out_dir
 from dflash.shards.paths import MANIFEST_NAME, shard_name, shard_path
 from dflash.shards.progress import progress_bar
 from dflash.shards.published import published_shards
+from dflash.shards.reader import ShardReader
 from dflash.shards.sizes import raw_state_bytes
 from dflash.shards.threads import keep_own_threads, one_torch_thread
 from dflash.shards.writer import ShardMeta
@@ -226,8 +227,6 @@ def _run_units(s: _Setup, target: Any, unit_ids: list[int], stats: StageStats, s
 
 
 def _finalize(s: _Setup) -> Manifest:
-    from dflash.shards.reader import ShardReader
-
     infos: list[ShardInfo] = []
     nonfinite: list[dict[str, Any]] = []
     published = published_shards(s.config.out)  # uploaded to object storage and deleted here

@@ -31,6 +31,8 @@ import torch
 from dflash.shards.layers import check_layer_ids
 from dflash.shards.target_config import read_target_config
 
+from .kernels import use_fla_causal_conv1d
+
 log = logging.getLogger(__name__)
 
 
@@ -93,8 +95,6 @@ class CapturingTarget:
         """Faster kernels for the same math, on CUDA only; returns what was applied (for the log)."""
         if self.device.type != "cuda":
             return []
-        from .kernels import use_fla_causal_conv1d
-
         applied = [f"FLA short convolution ({m})" for m in use_fla_causal_conv1d(self.model, self.device)]
         if compile and not self._compiled and not self._compile_failed:
             for layer in self.decoder.layers:

@@ -19,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.train.verdict import evaluations, trend
+from dflash.train.walk_stats import paired_gap
 
 from bench.quality_sizes import Run, Size
 
@@ -35,7 +36,7 @@ class Scorer:
 
     KEEP = (
         "tau", "tau_walk", "tau_walk_lookup", "tau_walk_max", "eval_loss", "eval_samples",
-        "acceptance_per_position", "walk_split_anchors",
+        "tau_walk_se", "walk_rows", "acceptance_per_position", "walk_split_anchors",
         *(f"walk_split_{c}_{m}" for c in SPLIT_CLASSES for m in ("share", "drafter", "lookup", "drafter_full")),
     )  # fmt: skip
 
@@ -79,7 +80,7 @@ class Scorer:
 
         dev = torch.device(self.device)
         result = evaluate(drafter.to(device=dev, dtype=torch.float32), self.frozen, self.cache, self.eval_set,
-                          self._spec(drafter.config), device=dev)  # fmt: skip
+                          self._spec(drafter.config), device=dev, per_row=True)  # fmt: skip
         return {k: result[k] for k in self.KEEP if k in result}
 
     def _open(self, config: Any) -> None:
@@ -150,13 +151,21 @@ def summarize(runs: list[Run], base: dict[str, Any]) -> list[dict[str, Any]]:
 def codec_gaps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each lossy codec's walk against the lossless drafter of the same variant, fraction and seed (one pair per
     seed: same initialization and data order), beside the lossless drafters' own spread over seeds, which a
-    codec's gap has to clear to mean anything. `runs` are a report's (`run` named VARIANT-CODEC-fF-sS)."""
+    codec's gap has to clear to mean anything, and the mean gap's standard error over seeds (None for one seed):
+    a mean gap reads as "within X%" only once that error is well under X. Where both runs of a seed kept each
+    held-out row's walk (`walk_rows`), its gap also gets the held-out rows' part of its error
+    (`walk_stats.paired_gap`): what a larger held-out set would shrink, against what only more seeds do.
+    `runs` are a report's (`run` named VARIANT-CODEC-fF-sS)."""
     walks: dict[tuple[str, str, str], dict[str, float]] = {}
+    rows: dict[tuple[str, str, str], dict[str, dict[int, tuple[int, int]]]] = {}
     for run in map(Run.from_report, runs):
         if "tau_walk" in run.result:
             key = (run.variant, f"f{run.fraction:g}", run.codec)
             walks.setdefault(key, {})[f"s{run.seed}"] = run.result["tau_walk"]
-    rows = []
+            if "walk_rows" in run.result:  # JSON made the row ids strings
+                walked = {int(r): (t, n) for r, (t, n) in run.result["walk_rows"].items()}
+                rows.setdefault(key, {})[f"s{run.seed}"] = walked
+    table = []
     for (variant, fraction, codec), by_seed in sorted(walks.items()):
         lossless = walks.get((variant, fraction, "lossless"), {})
         seeds = sorted(set(by_seed) & set(lossless), key=lambda s: int(s[1:]))
@@ -164,14 +173,17 @@ def codec_gaps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         ref = np.array([lossless[s] for s in seeds])
         gaps = [by_seed[s] / lossless[s] - 1 for s in seeds]
-        rows.append({
+        ours, theirs = rows.get((variant, fraction, codec), {}), rows.get((variant, fraction, "lossless"), {})
+        paired = [paired_gap(ours[s], theirs[s]) if s in ours and s in theirs else None for s in seeds]
+        table.append({
             "variant": variant, "fraction": fraction, "codec": codec, "seeds": seeds, "per_seed": gaps,
+            "per_seed_rows_se": [None if p is None else p[1] for p in paired],
             "mean_of_gaps": float(np.mean(gaps)),
             "mean_gap_se": float(np.std(gaps, ddof=1) / np.sqrt(len(gaps))) if len(gaps) > 1 else None,
             "gap_of_means": float(np.mean([by_seed[s] for s in seeds]) / ref.mean() - 1),
             "lossless_spread": float((ref.max() - ref.min()) / ref.mean()),
         })  # fmt: skip
-    return rows
+    return table
 
 
 def print_codec_gaps(report: dict[str, Any]) -> None:
@@ -179,16 +191,22 @@ def print_codec_gaps(report: dict[str, Any]) -> None:
     rows = codec_gaps(report["runs"])
     if not rows:
         return
-    print("\ncodecs against lossless, paired by seed (walk / the same seed's lossless walk - 1):")
     print(
-        f"{'variant, rows, codec':<26} {'per seed':<34} {'mean gap':>9} {'± se':>6} {'of means':>9} "
+        "\ncodecs against lossless, paired by seed (walk / the same seed's lossless walk - 1; a seed's ±: the "
+        "held-out rows' standard error of its gap, where the report kept each row's walk):"
+    )
+    print(
+        f"{'variant, rows, codec':<26} {'per seed':<44} {'mean gap':>9} {'± se':>6} {'of means':>9} "
         f"{'lossless spread':>16}"
     )
     for row in rows:
-        seeds = " ".join(f"{s} {g:+.1%}" for s, g in zip(row["seeds"], row["per_seed"], strict=True))
+        seeds = " ".join(
+            f"{s} {g:+.1%}" + ("" if se is None else f"±{se:.1%}")
+            for s, g, se in zip(row["seeds"], row["per_seed"], row["per_seed_rows_se"], strict=True)
+        )
         label = f"{row['variant']}, {row['fraction']}, {row['codec']}"
         se = "-" if row["mean_gap_se"] is None else f"{row['mean_gap_se']:.1%}"
-        print(f"{label:<26} {seeds:<34} {row['mean_of_gaps']:>+9.1%} {se:>6} {row['gap_of_means']:>+9.1%} "
+        print(f"{label:<26} {seeds:<44} {row['mean_of_gaps']:>+9.1%} {se:>6} {row['gap_of_means']:>+9.1%} "
               f"{row['lossless_spread']:>16.1%}")  # fmt: skip
 
 

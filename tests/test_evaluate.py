@@ -19,6 +19,7 @@ from dflash.train.frozen import load_frozen_target
 from dflash.train.lookup import lookup_accepted
 from dflash.train.lookup_split import CLASSES, span_room
 from dflash.train.model import DFlashDrafter
+from dflash.train.walk_stats import row_walk, walk_se
 
 from tests.common.fake_cache import write_fake_cache
 
@@ -66,7 +67,7 @@ def _first_eval_batch(cache_dir: Path) -> tuple:
 def _walk_batch(model, frozen, samples, spec) -> list[int]:
     """The evaluation's decode walk over one batch of samples: their anchors drafted together, walked in order."""
     on_host = evaluate_mod._accepted_on_host(model, frozen, samples, spec, device=torch.device("cpu"))
-    return evaluate_mod._walks(samples, on_host)
+    return [a for steps in evaluate_mod._walks(samples, on_host) for a in steps]
 
 
 @torch.no_grad()
@@ -205,3 +206,25 @@ def test_evaluation_splits_the_drafter_by_what_lookup_accepts_and_walks_their_ma
         assert first[f"walk_split_{name}_drafter_full"] == pytest.approx(full)
     # Not above both walks per se: a longer step can land on a worse anchor (here below the drafter's own walk).
     assert first["tau_walk_max"] == pytest.approx(walk_tau(max_steps))
+
+
+def test_each_held_out_rows_walk_is_kept_by_row_id_and_gives_the_walks_error(
+    cache_dir: Path, monkeypatch
+) -> None:
+    monkeypatch.setattr(evaluate_mod, "_accepted_at", _synthetic_accepted_at)
+    spec, cpu = _spec(), torch.device("cpu")
+    frozen = load_frozen_target(cache_dir, dtype=torch.float32)
+    with Cache.open(cache_dir) as cache:
+        eval_set = build_eval_set(cache, spec)
+        plain = evaluate(_model(frozen), frozen, cache, eval_set, spec, device=cpu)
+        result = evaluate(_model(frozen), frozen, cache, eval_set, spec, device=cpu, per_row=True)
+        samples = [cache.shard(r.shard).read(r.index, spec.layer_ids) for b in eval_set.batches for r in b]
+    assert "walk_rows" not in plain and plain["tau_walk_se"] == result["tau_walk_se"]
+    want = {
+        s.row: row_walk(decode_walk(_synthetic_accepted_at(None, None, s, spec, device=cpu), s.loss_mask))
+        for s in samples
+    }
+    assert result["walk_rows"] == want and len(want) >= 3
+    tokens, steps = (sum(v) for v in zip(*want.values(), strict=True))
+    assert result["tau_walk"] == pytest.approx(tokens / steps)
+    assert result["tau_walk_se"] == pytest.approx(walk_se(want)) and result["tau_walk_se"] > 0

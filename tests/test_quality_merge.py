@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from dflash.train.walk_stats import paired_gap
 
 from bench import quality_merge
 from bench.quality_report import codec_gaps
@@ -143,3 +144,26 @@ def test_the_recorded_hybrid_codec_seeds_give_benchmarks_numbers(capsys) -> None
     gaps = {g["codec"]: g for g in codec_gaps(merged["runs"])}
     assert round(gaps["fp8"]["gap_of_means"], 3) == -0.01 and round(gaps["q4"]["gap_of_means"], 3) == 0.012
     assert "6 runs from 2 reports" in capsys.readouterr().out
+
+
+def test_a_seeds_codec_gap_carries_the_held_out_rows_error_where_both_runs_kept_their_rows(
+    tmp_path: Path, capsys
+) -> None:
+    lossless = {"1": [40, 10], "2": [90, 20], "3": [33, 11]}  # row id -> (tokens, steps), as JSON keeps them
+    fp8 = {"1": [44, 10], "2": [90, 20], "3": [30, 11]}
+    report = _report({"base-lossless-f1-s0": 163 / 41, "base-fp8-f1-s0": 164 / 41, "base-q4-f1-s0": 3.9})
+    for run, rows in zip(report["runs"], (lossless, fp8), strict=False):
+        run["walk_rows"] = rows  # q4's run has none (a report from before rows were kept)
+    path = _write(tmp_path / "a.json", report)
+    assert quality_merge.main([str(path)]) == 0
+    gaps = {g["codec"]: g for g in codec_gaps(json.loads(path.read_text())["runs"])}
+    as_ints = {
+        codec: {int(r): tuple(v) for r, v in rows.items()} for codec, rows in (("l", lossless), ("f", fp8))
+    }
+    want = paired_gap(as_ints["f"], as_ints["l"])
+    assert gaps["fp8"]["per_seed"] == pytest.approx([want[0]]) and gaps["fp8"]["per_seed_rows_se"] == [
+        want[1]
+    ]
+    assert want[1] > 0 and gaps["q4"]["per_seed_rows_se"] == [None]
+    out = capsys.readouterr().out
+    assert f"s0 {want[0]:+.1%}±{want[1]:.1%}" in out

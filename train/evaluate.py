@@ -43,6 +43,7 @@ from .loss import LossStats, drafter_loss
 from .mask import build_attention_mask, flex_scope
 from .model import DFlashDrafter
 from .parallelize import mixed_precision
+from .walk_stats import RowWalks, row_walk, walk_se
 
 log = logging.getLogger(__name__)
 _EVAL_ANCHOR_TAG = 0x4556
@@ -127,12 +128,14 @@ def evaluate(
     *,
     device: torch.device,
     walk: bool = True,
+    per_row: bool = False,
 ) -> dict[str, Any]:
     """Metrics over the held-out set: loss, accuracy, tau, the decode walk's tau, and how many samples were
     evaluated and skipped (`eval_samples`, `eval_skipped_samples`, `eval_skipped_shards`; only these when
     nothing could be evaluated), and its wall time (`eval_seconds`, of which `eval_walk_seconds` the drafter's
     decode walk); with the walk, prompt lookup's walk, the split by lookup's class and the max walk (see the
-    module docstring). An empty held-out set gives {}."""
+    module docstring). `tau_walk_se` is the walk's standard error over the held-out rows (`walk_stats`); with
+    `per_row`, `walk_rows` holds each row's (tokens, steps), by dataset row id. An empty held-out set gives {}."""
     if not eval_set.batches:
         return {}
     # held-out anchors are drawn uniformly and weighed by the decay alone whatever training did, so runs with
@@ -144,6 +147,7 @@ def evaluate(
     autocast = mixed_precision(device)
     total: LossStats | None = None
     walk_steps: list[int] = []
+    walk_rows: RowWalks = {}
     max_steps: list[int] = []
     split = SplitSums()
     walk_seconds = 0.0
@@ -183,7 +187,9 @@ def evaluate(
                 if walk:
                     walk_started = time.perf_counter()  # the drafter's walk alone: comparable at every step
                     drafter_at = _accepted_on_host(model, frozen, samples, spec, device=device)
-                    walk_steps.extend(_walks(samples, drafter_at))
+                    for sample, steps in zip(samples, _walks(samples, drafter_at), strict=True):
+                        walk_steps.extend(steps)
+                        walk_rows[sample.row] = row_walk(steps)
                     walk_seconds += time.perf_counter() - walk_started
                     for ref, sample, accepted_at in zip(refs, samples, drafter_at, strict=True):
                         lookup_at = _lookup_at(eval_set, ref, sample, spec.block_size)
@@ -210,6 +216,12 @@ def evaluate(
     if walk:
         timing["eval_walk_seconds"] = round(walk_seconds, 3)
     comparison = ({"tau_walk_max": walk_tau(max_steps)} | split.metrics()) if walk_steps else {}
+    if walk_steps:
+        se = walk_se(walk_rows)
+        if not math.isnan(se):  # one held-out row has no spread to measure
+            comparison["tau_walk_se"] = se
+        if per_row:
+            comparison["walk_rows"] = walk_rows
     return _summary(total, walk_steps, lookup, spec.block_size) | comparison | counts | timing
 
 
@@ -232,12 +244,10 @@ def _summary(
     return {k: v for k, v in result.items() if not (isinstance(v, float) and math.isnan(v))}
 
 
-def _walks(samples: Sequence[Sample], accepted: Sequence[torch.Tensor]) -> list[int]:
-    """The decode walk of each sample over its per-position accepted lengths, concatenated in order. Anchors
-    with no drafted slot in the response (a+1 outside it) never occur in a walk."""
-    return [
-        a for sample, at in zip(samples, accepted, strict=True) for a in decode_walk(at, sample.loss_mask)
-    ]
+def _walks(samples: Sequence[Sample], accepted: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The decode walk of each sample over its per-position accepted lengths (A per step). Anchors with no
+    drafted slot in the response (a+1 outside it) never occur in a walk."""
+    return [decode_walk(at, sample.loss_mask) for sample, at in zip(samples, accepted, strict=True)]
 
 
 def _accepted_on_host(

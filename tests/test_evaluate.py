@@ -159,6 +159,17 @@ def _synthetic_accepted_at(model, frozen, sample, spec, *, device) -> torch.Tens
     return accepted_at
 
 
+def _evaluations(cache_dir: Path, *options: dict) -> tuple[list[dict], list, DataSpec]:
+    """`evaluate` once per `options` on the fake cache's held-out rows (one eval set), and those rows."""
+    spec, cpu = _spec(), torch.device("cpu")
+    frozen = load_frozen_target(cache_dir, dtype=torch.float32)
+    with Cache.open(cache_dir) as cache:
+        eval_set = build_eval_set(cache, spec)
+        results = [evaluate(_model(frozen), frozen, cache, eval_set, spec, device=cpu, **o) for o in options]
+        samples = [cache.shard(r.shard).read(r.index, spec.layer_ids) for b in eval_set.batches for r in b]
+    return results, samples, spec
+
+
 def test_evaluation_splits_the_drafter_by_what_lookup_accepts_and_walks_their_max(
     cache_dir: Path, monkeypatch
 ) -> None:
@@ -170,13 +181,8 @@ def test_evaluation_splits_the_drafter_by_what_lookup_accepts_and_walks_their_ma
         return lookup_accepted(ids, *args, **kwargs)
 
     monkeypatch.setattr(evaluate_mod, "lookup_accepted", counting)
-    spec, cpu = _spec(), torch.device("cpu")
-    frozen = load_frozen_target(cache_dir, dtype=torch.float32)
-    with Cache.open(cache_dir) as cache:
-        eval_set = build_eval_set(cache, spec)
-        first = evaluate(_model(frozen), frozen, cache, eval_set, spec, device=cpu)
-        second = evaluate(_model(frozen), frozen, cache, eval_set, spec, device=cpu)
-        samples = [cache.shard(r.shard).read(r.index, spec.layer_ids) for b in eval_set.batches for r in b]
+    (first, second), samples, spec = _evaluations(cache_dir, {}, {})
+    cpu = torch.device("cpu")
     # Lookup ran once per row: the second evaluation reused it.
     assert len(lookups) == len(samples) == first["eval_samples"]
     timing = ("eval_seconds", "eval_walk_seconds")
@@ -212,13 +218,8 @@ def test_each_held_out_rows_walk_is_kept_by_row_id_and_gives_the_walks_error(
     cache_dir: Path, monkeypatch
 ) -> None:
     monkeypatch.setattr(evaluate_mod, "_accepted_at", _synthetic_accepted_at)
-    spec, cpu = _spec(), torch.device("cpu")
-    frozen = load_frozen_target(cache_dir, dtype=torch.float32)
-    with Cache.open(cache_dir) as cache:
-        eval_set = build_eval_set(cache, spec)
-        plain = evaluate(_model(frozen), frozen, cache, eval_set, spec, device=cpu)
-        result = evaluate(_model(frozen), frozen, cache, eval_set, spec, device=cpu, per_row=True)
-        samples = [cache.shard(r.shard).read(r.index, spec.layer_ids) for b in eval_set.batches for r in b]
+    (plain, result), samples, spec = _evaluations(cache_dir, {}, {"per_row": True})
+    cpu = torch.device("cpu")
     assert "walk_rows" not in plain and plain["tau_walk_se"] == result["tau_walk_se"]
     want = {
         s.row: row_walk(decode_walk(_synthetic_accepted_at(None, None, s, spec, device=cpu), s.loss_mask))

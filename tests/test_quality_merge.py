@@ -167,3 +167,12 @@ def test_a_seeds_codec_gap_carries_the_held_out_rows_error_where_both_runs_kept_
     assert want[1] > 0 and gaps["q4"]["per_seed_rows_se"] == [None]
     out = capsys.readouterr().out
     assert f"s0 {want[0]:+.1%}±{want[1]:.1%}" in out
+
+
+def test_the_recorded_cpu_size_seeds_give_benchmarks_numbers() -> None:
+    # BENCHMARKS.md, "The walk's error over the held-out rows": fp8 -0.6% ± 0.6% and +0.1% ± 0.4% per seed.
+    reports = [REPORTS / f"cpu-code-codecs-s{seed}.json" for seed in (0, 1)]
+    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in reports})
+    (gap,) = codec_gaps(merged["runs"])
+    assert [round(g, 3) for g in gap["per_seed"]] == [-0.006, 0.001]
+    assert [round(se, 3) for se in gap["per_seed_rows_se"]] == [0.006, 0.004]

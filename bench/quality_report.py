@@ -3,8 +3,8 @@ held-out rows (`Scorer`), then one row per recipe variant x codec x data size (`
 
 Each run (quality.json's `runs`) also carries the evaluation's split by what prompt lookup accepts on the same
 anchor (`walk_split_*`, see `dflash.train.lookup_split`) and `tau_walk_max`, the walk of max(drafter, lookup)
-per anchor. After the main table `print_table` shows each lossy codec's walk against the lossless drafter of the
-same seed (`codec_gaps`), then these per run (`print_split_table`)."""
+per anchor. After the main table `print_table` shows each lossy codec and each recipe variant against its
+reference run of the same seed (`quality_gaps`), then these per run (`print_split_table`)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.train.verdict import evaluations, trend
-from dflash.train.walk_stats import paired_gap
 
+from bench.quality_gaps import print_gaps
 from bench.quality_sizes import Run, Size
 
 # dflash.train.lookup_split.CLASSES, spelled out: the report module imports no torch until a run is scored.
@@ -148,68 +148,6 @@ def summarize(runs: list[Run], base: dict[str, Any]) -> list[dict[str, Any]]:
     return list(by_key.values())
 
 
-def codec_gaps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each lossy codec's walk against the lossless drafter of the same variant, fraction and seed (one pair per
-    seed: same initialization and data order), beside the lossless drafters' own spread over seeds, which a
-    codec's gap has to clear to mean anything, and the mean gap's standard error over seeds (None for one seed):
-    a mean gap reads as "within X%" only once that error is well under X. Where both runs of a seed kept each
-    held-out row's walk (`walk_rows`), its gap also gets the held-out rows' part of its error
-    (`walk_stats.paired_gap`): what a larger held-out set would shrink, against what only more seeds do.
-    `runs` are a report's (`run` named VARIANT-CODEC-fF-sS)."""
-    walks: dict[tuple[str, str, str], dict[str, float]] = {}
-    rows: dict[tuple[str, str, str], dict[str, dict[int, tuple[int, int]]]] = {}
-    for run in map(Run.from_report, runs):
-        if "tau_walk" in run.result:
-            key = (run.variant, f"f{run.fraction:g}", run.codec)
-            walks.setdefault(key, {})[f"s{run.seed}"] = run.result["tau_walk"]
-            if "walk_rows" in run.result:  # JSON made the row ids strings
-                walked = {int(r): (t, n) for r, (t, n) in run.result["walk_rows"].items()}
-                rows.setdefault(key, {})[f"s{run.seed}"] = walked
-    table = []
-    for (variant, fraction, codec), by_seed in sorted(walks.items()):
-        lossless = walks.get((variant, fraction, "lossless"), {})
-        seeds = sorted(set(by_seed) & set(lossless), key=lambda s: int(s[1:]))
-        if codec == "lossless" or not seeds:
-            continue
-        ref = np.array([lossless[s] for s in seeds])
-        gaps = [by_seed[s] / lossless[s] - 1 for s in seeds]
-        ours, theirs = rows.get((variant, fraction, codec), {}), rows.get((variant, fraction, "lossless"), {})
-        paired = [paired_gap(ours[s], theirs[s]) if s in ours and s in theirs else None for s in seeds]
-        table.append({
-            "variant": variant, "fraction": fraction, "codec": codec, "seeds": seeds, "per_seed": gaps,
-            "per_seed_rows_se": [None if p is None else p[1] for p in paired],
-            "mean_of_gaps": float(np.mean(gaps)),
-            "mean_gap_se": float(np.std(gaps, ddof=1) / np.sqrt(len(gaps))) if len(gaps) > 1 else None,
-            "gap_of_means": float(np.mean([by_seed[s] for s in seeds]) / ref.mean() - 1),
-            "lossless_spread": float((ref.max() - ref.min()) / ref.mean()),
-        })  # fmt: skip
-    return table
-
-
-def print_codec_gaps(report: dict[str, Any]) -> None:
-    """The codec table, paired by seed; printed once some codec has a lossless run of its seed beside it."""
-    rows = codec_gaps(report["runs"])
-    if not rows:
-        return
-    print(
-        "\ncodecs against lossless, paired by seed (walk / the same seed's lossless walk - 1; a seed's ±: the "
-        "held-out rows' standard error of its gap, where the report kept each row's walk):"
-    )
-    print(
-        f"{'variant, rows, codec':<26} {'per seed':<44} {'mean gap':>9} {'± se':>6} {'of means':>9} "
-        f"{'lossless spread':>16}"
-    )
-    for row in rows:
-        seeds = " ".join(
-            f"{s} {g:+.1%}" + ("" if se is None else f"±{se:.1%}")
-            for s, g, se in zip(row["seeds"], row["per_seed"], row["per_seed_rows_se"], strict=True)
-        )
-        label = f"{row['variant']}, {row['fraction']}, {row['codec']}"
-        se = "-" if row["mean_gap_se"] is None else f"{row['mean_gap_se']:.1%}"
-        print(f"{label:<26} {seeds:<44} {row['mean_of_gaps']:>+9.1%} {se:>6} {row['gap_of_means']:>+9.1%} "
-              f"{row['lossless_spread']:>16.1%}")  # fmt: skip
-
-
 def print_table(report: dict[str, Any]) -> None:
     base = report["baselines"]
     print(f"\nheld-out rows: {base['prompt_lookup']['eval_samples']} (from files no model trained on); "
@@ -233,7 +171,7 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{row['drafter']:<34} {row['seeds']:>5} {row['tau']:>9.3f} ±{row['tau_spread']:<5.3f} "
               f"{row['tau_walk']:>9.3f} ±{row['tau_walk_spread']:<5.3f} {row['vs_lookup']:>11.2f} "
               f"{_signed_pct(row.get('vs_lossless')):>11} {row['train_s']:>8.0f}")  # fmt: skip
-    print_codec_gaps(report)
+    print_gaps(report)
     print_split_table(report)
     for curve in report["curves"]:
         points = ", ".join(

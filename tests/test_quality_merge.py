@@ -1,5 +1,5 @@
 """`bench/quality_merge.py`: quality reports of one target from several sessions as one table, and each codec
-against the lossless drafter of its own seed (`quality_report.codec_gaps`)."""
+against the lossless drafter of its own seed (`quality_gaps`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from dflash.train.walk_stats import paired_gap
 
 from bench import quality_merge
-from bench.quality_report import codec_gaps
+from bench.quality_gaps import codec_gaps, print_gaps, variant_gaps
 from bench.quality_sizes import Run
 
 REPORTS = Path(__file__).parents[1] / "bench" / "reports"
@@ -46,7 +46,7 @@ def test_two_sessions_seeds_merge_into_one_table_and_codecs_pair_by_seed(tmp_pat
     assert fp8["vs_lossless"] == pytest.approx(4.35 / 4.5 - 1)
     (gap,) = codec_gaps(merged["runs"])
     assert gap["seeds"] == ["s0", "s1"] and gap["per_seed"] == pytest.approx([0.05, -0.1])
-    assert gap["mean_of_gaps"] == pytest.approx(-0.025) and gap["lossless_spread"] == pytest.approx(1 / 4.5)
+    assert gap["mean_of_gaps"] == pytest.approx(-0.025) and gap["reference_spread"] == pytest.approx(1 / 4.5)
     assert gap["mean_gap_se"] == pytest.approx(0.075)  # sd of (+5%, -10%) over sqrt(2)
     out = capsys.readouterr().out
     assert "base, f1, fp8" in out and "s0 +5.0% s1 -10.0%" in out and "-2.5%   7.5%" in out
@@ -77,7 +77,7 @@ def test_codec_gaps_pair_only_seeds_with_a_lossless_run_and_read_variants_with_d
     ]
     (gap,) = codec_gaps(runs)
     assert (gap["variant"], gap["fraction"], gap["codec"], gap["seeds"]) == ("lr-hi", "f0.5", "q4", ["s2"])
-    assert gap["per_seed"] == [-0.25] and gap["lossless_spread"] == 0.0
+    assert gap["per_seed"] == [-0.25] and gap["reference_spread"] == 0.0
     assert gap["mean_gap_se"] is None  # one seed has no spread to estimate it from
 
 
@@ -176,3 +176,25 @@ def test_the_recorded_cpu_size_seeds_give_benchmarks_numbers() -> None:
     (gap,) = codec_gaps(merged["runs"])
     assert [round(g, 3) for g in gap["per_seed"]] == [-0.006, 0.001]
     assert [round(se, 3) for se in gap["per_seed_rows_se"]] == [0.006, 0.004]
+
+
+def test_variants_pair_with_the_first_variant_of_their_codec_and_seed(capsys) -> None:
+    rows_a = {"1": [40, 10], "2": [90, 20], "3": [33, 11]}
+    rows_b = {"1": [41, 10], "2": [88, 20], "3": [36, 11]}
+    runs = [
+        {"run": "a-lossless-f1-s2", "tau_walk": 163 / 41, "walk_rows": rows_a},
+        {"run": "b-lossless-f1-s2", "tau_walk": 165 / 41, "walk_rows": rows_b},
+        {"run": "a-fp8-f1-s2", "tau_walk": 4.0},
+        {"run": "b-fp8-f1-s3", "tau_walk": 5.0},  # no `a` run of seed 3 for fp8: not paired
+    ]
+    (gap,) = variant_gaps(runs)
+    assert (gap["variant"], gap["reference"], gap["codec"], gap["seeds"]) == ("b", "a", "lossless", ["s2"])
+    want = paired_gap(*({int(r): tuple(v) for r, v in rows.items()} for rows in (rows_b, rows_a)))
+    assert gap["per_seed"] == pytest.approx([want[0]]) and gap["per_seed_rows_se"] == [pytest.approx(want[1])]
+    (codec,) = codec_gaps(runs)  # a's fp8 against a's lossless; it kept no rows
+    assert (codec["variant"], codec["codec"], codec["per_seed_rows_se"]) == ("a", "fp8", [None])
+    report = _report({})
+    report["runs"] = runs
+    print_gaps(report)
+    out = capsys.readouterr().out
+    assert "variants against a" in out and "lossless, f1, b" in out and "codecs against lossless" in out

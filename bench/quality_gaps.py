@@ -1,9 +1,9 @@
 """The quality benchmark's paired comparisons: each run against its reference run of the same seed.
 
 Two kinds, one rule. `codec_gaps`: each lossy codec against the lossless drafter of the same variant, fraction
-and seed. `variant_gaps`: each recipe variant against the report's first variant, of the same codec, fraction and
-seed (distillation against hard labels, two identical variants for the GPU's own run-to-run noise). A pair shares
-its seed (initialization, data order), so its gap leaves out what seeds change alike.
+and seed. `variant_gaps`: each recipe variant against `base` (else the report's first variant), of the same
+codec, fraction and seed (distillation against hard labels; two identical variants for the GPU's own run-to-run
+noise). A pair shares its seed (initialization, data order), so its gap leaves out what seeds change alike.
 
 Each row gives the per-seed gaps (walk / the reference's walk - 1), their mean and its standard error over seeds
 (None for one seed: a mean gap reads as "within X%" only once that error is well under X), the gap of the means,
@@ -35,9 +35,11 @@ def codec_gaps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def variant_gaps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each variant against the first one the report names (its plan's order)."""
-    first = next((Run.from_report(r).variant for r in runs), None)
-    return _paired(runs, "variant", lambda _: first)
+    """Each variant against `base` (the benchmark's name for a run without --variants), else against the first
+    one the report names (its plan's order)."""
+    names = [Run.from_report(r).variant for r in runs]
+    reference = "base" if "base" in names else next(iter(names), None)
+    return _paired(runs, "variant", lambda _: reference)
 
 
 def _paired(runs: list[dict[str, Any]], differ: str, reference: Any) -> list[dict[str, Any]]:

@@ -198,3 +198,12 @@ def test_variants_pair_with_the_first_variant_of_their_codec_and_seed(capsys) ->
     print_gaps(report)
     out = capsys.readouterr().out
     assert "variants against a" in out and "lossless, f1, b" in out and "codecs against lossless" in out
+
+
+def test_the_recorded_cpu_size_distillation_gives_benchmarks_number() -> None:
+    # BENCHMARKS.md, "The walk's error over the held-out rows": --distill 0.5 +3.7% ± 1.1% over hard labels.
+    reports = [REPORTS / "cpu-code-codecs-s0.json", REPORTS / "cpu-code-distill-s0.json"]
+    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in reports})
+    (gap,) = variant_gaps(merged["runs"])
+    assert (gap["variant"], gap["reference"], gap["codec"]) == ("distill", "base", "fp8")
+    assert round(gap["per_seed"][0], 3) == 0.037 and round(gap["per_seed_rows_se"][0], 3) == 0.011

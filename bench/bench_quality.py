@@ -56,7 +56,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_pack import nested_work, pack, target_work, unpack, work_mismatch
-from bench.quality_phases import phase_cache, phase_data, phase_run, phase_target, write_heldout_files
+from bench.quality_phases import (
+    phase_cache,
+    phase_data,
+    phase_run,
+    phase_target,
+    stop_children_on_signals,
+    write_heldout_files,
+)
 from bench.quality_report import Scorer, print_table, summarize
 from bench.quality_sizes import (
     SIZES,
@@ -265,4 +272,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_children_on_signals()  # the command's own process only: tests call main() in theirs
     sys.exit(main())

@@ -7,8 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -28,20 +30,46 @@ def _python(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+# The extractions and runs in flight: the runs' threads wait on them, so a signal to the benchmark (its main
+# thread) reaches them only through `stop_children`.
+_children: set[subprocess.Popen] = set()
+_children_lock = threading.RLock()  # the handler runs on the main thread, which may hold it
+
+
+def stop_children_on_signals() -> None:
+    """SIGTERM or SIGHUP to the benchmark first passes SIGTERM to each `dflash-extract` / `dflash-train` it
+    runs (a run checkpoints at its step and exits; an extraction keeps its committed shards), then ends the
+    benchmark: killed alone it would leave them running, writing into the work folder."""
+
+    def stop(signum: int, _frame: object) -> None:
+        with _children_lock:
+            for child in _children:
+                child.terminate()
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def _call(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
     with log.open("w") as f:
-        done = subprocess.run(
+        child = subprocess.Popen(
             cmd,
             stdout=f,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
-    if done.returncode:
+        with _children_lock:
+            _children.add(child)
+        try:
+            returncode = child.wait()
+        finally:
+            with _children_lock:
+                _children.discard(child)
+    if returncode:
         tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-        raise RuntimeError(
-            f"{' '.join(cmd[2:4])} failed (exit {done.returncode}); {log}:\n  " + "\n  ".join(tail)
-        )
+        raise RuntimeError(f"{' '.join(cmd[2:4])} failed (exit {returncode}); {log}:\n  " + "\n  ".join(tail))
     return time.perf_counter() - start
 
 

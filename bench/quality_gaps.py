@@ -31,21 +31,21 @@ _SHARED = {"codec": ("variant", "fraction"), "variant": ("codec", "fraction")}
 
 def codec_gaps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each lossy codec against lossless. `runs` are a report's (`run` named VARIANT-CODEC-fF-sS)."""
-    return _paired(runs, "codec", lambda _: "lossless")
+    return _paired([Run.from_report(r) for r in runs], "codec", "lossless")
 
 
 def variant_gaps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each variant against `base` (the benchmark's name for a run without --variants), else against the first
     one the report names (its plan's order)."""
-    names = [Run.from_report(r).variant for r in runs]
-    reference = "base" if "base" in names else next(iter(names), None)
-    return _paired(runs, "variant", lambda _: reference)
+    parsed = [Run.from_report(r) for r in runs]
+    names = [run.variant for run in parsed]
+    return _paired(parsed, "variant", "base" if "base" in names else next(iter(names), ""))
 
 
-def _paired(runs: list[dict[str, Any]], differ: str, reference: Any) -> list[dict[str, Any]]:
+def _paired(runs: list[Run], differ: str, ref_name: str) -> list[dict[str, Any]]:
     walks: dict[tuple[str, str, str], dict[str, float]] = {}
     rows: dict[tuple[str, str, str], dict[str, RowWalks]] = {}
-    for run in map(Run.from_report, runs):
+    for run in runs:
         if "tau_walk" in run.result:
             key = (run.variant, f"f{run.fraction:g}", run.codec)
             walks.setdefault(key, {})[f"s{run.seed}"] = run.result["tau_walk"]
@@ -55,7 +55,6 @@ def _paired(runs: list[dict[str, Any]], differ: str, reference: Any) -> list[dic
     table = []
     for key, by_seed in sorted(walks.items()):
         fields = dict(zip(("variant", "fraction", "codec"), key, strict=True))
-        ref_name = reference(fields)
         if fields[differ] == ref_name:
             continue
         ref_key = tuple(ref_name if name == differ else value for name, value in fields.items())

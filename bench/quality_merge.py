@@ -8,8 +8,8 @@ Reports merge only where their drafters were trained and scored alike: the same 
 held-out rows (prompt lookup's walk on them), recipe, drafter size, scoring cache and extra dflash-train flags
 (but those that change only speed: `SPEED_ONLY`); anything else is refused in one line naming the field and both
 files. Each run may appear in one report only. The merged report prints
-as `bench_quality.py` prints its own: mean and spread over every seed, and each lossy codec against the lossless
-drafter of its seed."""
+as `bench_quality.py` prints its own: mean and spread over every seed, and each lossy codec and recipe variant
+against its reference run of the same seed (`quality_gaps`)."""
 
 from __future__ import annotations
 

@@ -54,11 +54,12 @@ def walk_se(rows: Mapping[int, tuple[int, int]]) -> float:
 def paired_gap(
     a: Mapping[int, tuple[int, int]], b: Mapping[int, tuple[int, int]]
 ) -> tuple[float, float] | None:
-    if set(a) != set(b):
+    # the same rows: the same ids, each walked by both or by neither (a response too short for a step)
+    if set(a) != set(b) or any((a[r][1] > 0) != (b[r][1] > 0) for r in a):
         return None
-    walked = sorted(r for r in a if a[r][1] > 0 and b[r][1] > 0)
-    if len(walked) < 2 or len(walked) != sum(1 for r in a if a[r][1] > 0 or b[r][1] > 0):
-        return None  # a row one drafter walked and the other did not: not the same rows
+    walked = sorted(r for r in a if a[r][1] > 0)
+    if len(walked) < 2:
+        return None
     tau_a, u_a = _influence(a, walked)
     tau_b, u_b = _influence(b, walked)
     n = len(walked)

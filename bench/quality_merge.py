@@ -81,7 +81,17 @@ def read_report(path: Path) -> dict[str, Any]:
             raise SystemExit(
                 f"error: {path}: run {name!r} is not named VARIANT-CODEC-fFRACTION-sSEED"
             ) from None
+        if "walk_rows" in entry and not _row_walks(entry["walk_rows"]):
+            raise SystemExit(f"error: {path}: run {name!r}: walk_rows is not row id -> [tokens, steps]")
     return report
+
+
+def _row_walks(rows: Any) -> bool:
+    """Whether `rows` is what the Scorer writes: {row id: [tokens, steps]}, non-negative integers."""
+    return isinstance(rows, dict) and all(
+        str(r).isdigit() and isinstance(v, list) and len(v) == 2 and all(type(x) is int and x >= 0 for x in v)
+        for r, v in rows.items()
+    )
 
 
 def merge(reports: dict[Path, dict[str, Any]]) -> dict[str, Any]:

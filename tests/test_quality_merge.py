@@ -207,3 +207,14 @@ def test_the_recorded_cpu_size_distillation_gives_benchmarks_number() -> None:
     (gap,) = variant_gaps(merged["runs"])
     assert (gap["variant"], gap["reference"], gap["codec"]) == ("distill", "base", "fp8")
     assert round(gap["per_seed"][0], 3) == 0.037 and round(gap["per_seed_rows_se"][0], 3) == 0.011
+
+
+@pytest.mark.parametrize("rows", [[1, 2], {"1": [3]}, {"x": [3, 1]}, {"1": [3.5, 1]}, {"1": [-1, 1]}])
+def test_a_damaged_walk_rows_is_refused_in_one_line(tmp_path: Path, rows) -> None:
+    report = _report({"base-lossless-f1-s0": 4.0})
+    report["runs"][0]["walk_rows"] = rows
+    path = _write(tmp_path / "a.json", report)
+    with pytest.raises(
+        SystemExit, match=r"^error: .*a.json: run 'base-lossless-f1-s0': walk_rows is not row id"
+    ):
+        quality_merge.main([str(path)])

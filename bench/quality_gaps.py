@@ -3,7 +3,10 @@
 Two kinds, one rule. `codec_gaps`: each lossy codec against the lossless drafter of the same variant, fraction
 and seed. `variant_gaps`: each recipe variant against `base` (else the report's first variant), of the same
 codec, fraction and seed (distillation against hard labels; two identical variants for the GPU's own run-to-run
-noise). A pair shares its seed (initialization, data order), so its gap leaves out what seeds change alike.
+noise). A pair shares its seed: the drafter's initialization, and its batches and anchors, whatever the cache's
+codec, in reports of the `spans` data order (`data_order`); in older reports each codec's cache gave its runs its
+own batches (`train/data_plan.py`), so a codec pair there shared its initialization alone. A gap leaves out
+what the two runs share.
 
 Each row gives the per-seed gaps (walk / the reference's walk - 1), their mean and its standard error over seeds
 (None for one seed: a mean gap reads as "within X%" only once that error is well under X), the gap of the means,
@@ -87,6 +90,10 @@ def print_gaps(report: dict[str, Any]) -> None:
             f"\n{what}, paired by seed (walk / the same seed's reference walk - 1; a seed's ±: the held-out rows' "
             "standard error of its gap, where the report kept each row's walk):"
         )
+        if differ == "codec" and report.get("data_order", "shards") == "shards":
+            print(
+                "(runs from before the spans data order: each codec's cache gave its runs their own batches)"
+            )
         label_of = (*_SHARED[differ], differ)
         print(
             f"{', '.join(label_of):<30} {'per seed':<44} {'mean gap':>9} {'± se':>6} {'of means':>9} "

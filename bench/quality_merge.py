@@ -33,7 +33,10 @@ SAME = (
     ("recipe", ("recipe",)),
     ("drafter size", ("size", "drafter")),
     ("scoring cache", ("scored_on",)),
+    # since `spans`, a seed's runs on two codecs train on the same batches; before, each cache's shards gave its own
+    ("data order", ("data_order",)),
 )
+OLD_ORDER = "shards"  # a report without `data_order` predates spans
 
 
 # dflash-train flags that change how fast a run goes, not what it trains (the loader's batches are the same bit
@@ -83,6 +86,7 @@ def read_report(path: Path) -> dict[str, Any]:
             ) from None
         if "walk_rows" in entry and not _row_walks(entry["walk_rows"]):
             raise SystemExit(f"error: {path}: run {name!r}: walk_rows is not row id -> [tokens, steps]")
+    report.setdefault("data_order", OLD_ORDER)
     return report
 
 
@@ -119,6 +123,7 @@ def merge(reports: dict[Path, dict[str, Any]]) -> dict[str, Any]:
     runs = [Run.from_report(e) for e in entries]
     return {
         **{k: base[k] for k in KEPT if k != "runs"},
+        "data_order": base["data_order"],
         "table": summarize(runs, base["baselines"]),
         "curves": [c for r in reports.values() for c in r.get("curves", [])],
         "runs": entries,

@@ -8,6 +8,8 @@ from collections import Counter
 import numpy as np
 import pytest
 from dflash.train.data_plan import (
+    ORDERS,
+    SPAN_SAMPLES,
     SampleRef,
     ShardEntries,
     epoch_batches,
@@ -16,6 +18,7 @@ from dflash.train.data_plan import (
     heldout_mask,
     pack_by_budget,
     shard_order,
+    stored_spans,
     window_shuffle,
 )
 from hypothesis import given, settings
@@ -33,6 +36,17 @@ def _shards(lengths_per_shard: list[list[int]], supervised: int = 5) -> dict[str
         )
         row += n
     return out
+
+
+def _listing(shards: dict[str, ShardEntries]) -> list[tuple[str, int]]:
+    """What the loader passes the plan: (name, stored samples) per shard, from the manifest."""
+    return [(name, len(e.rows)) for name, e in shards.items()]
+
+
+def _cut(lengths: list[int], cuts: list[int]) -> dict[str, ShardEntries]:
+    """One stored order (row i has lengths[i]) cut into shards at `cuts`, as two codecs' caches are."""
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(lengths))), len(lengths)]
+    return _shards([lengths[a:b] for a, b in itertools.pairwise(bounds)])
 
 
 def test_heldout_is_a_fixed_function_of_the_row() -> None:
@@ -89,9 +103,11 @@ def test_pack_by_budget_keeps_order_and_budget(lengths: list[int], budget: int) 
 def test_ranks_together_see_every_sample_once(shard_lengths, world, seed, fraction) -> None:
     shards = _shards(shard_lengths)
     budget = 64
+    order = ORDERS[seed % 2]
     stream = epoch_batches(
-        list(shards),
+        _listing(shards),
         shards.__getitem__,
+        order=order,
         seed=seed,
         epoch=0,
         window=7,
@@ -118,12 +134,81 @@ def test_epoch_plan_is_deterministic_and_lazy() -> None:
         return shards[name]
 
     kwargs = dict(seed=3, window=8, token_budget=40, max_length=40, heldout_fraction=0.1)
-    first = next(epoch_batches(list(shards), entries_of, epoch=0, **kwargs))
-    assert len(opened) == 1  # the first batch needs one shard index, not the whole cache
-    a = [[r.row for r in b] for b in epoch_batches(list(shards), shards.__getitem__, epoch=0, **kwargs)]
-    b = [[r.row for r in b] for b in epoch_batches(list(shards), shards.__getitem__, epoch=0, **kwargs)]
-    c = [[r.row for r in b] for b in epoch_batches(list(shards), shards.__getitem__, epoch=1, **kwargs)]
+    listing = _listing(shards)
+    first = next(epoch_batches(listing, entries_of, epoch=0, **kwargs))
+    # the first batch needs its span's shard indexes (64 samples: 4-5 shards of 20), not the whole cache
+    assert 1 <= len(opened) <= SPAN_SAMPLES // 20 + 2
+    opened.clear()
+    next(epoch_batches(listing, entries_of, epoch=0, order="shards", **kwargs))
+    assert len(opened) == 1  # the shard order reads one
+    a = [[r.row for r in b] for b in epoch_batches(listing, shards.__getitem__, epoch=0, **kwargs)]
+    b = [[r.row for r in b] for b in epoch_batches(listing, shards.__getitem__, epoch=0, **kwargs)]
+    c = [[r.row for r in b] for b in epoch_batches(listing, shards.__getitem__, epoch=1, **kwargs)]
     assert a == b and a != c and a[0] == [r.row for r in first]
+
+
+@given(st.lists(st.integers(0, 300), max_size=12), st.integers(1, 100))
+@settings(max_examples=100, deadline=None)
+def test_stored_spans_cut_the_stored_order(counts: list[int], span: int) -> None:
+    listing = [(f"shard-{k:06d}.dfs", n) for k, n in enumerate(counts)]
+    spans = stored_spans(listing[::-1], span)  # the manifest's order does not matter: names do
+    flat = [(name, i) for sp in spans for name, start, stop in sp for i in range(start, stop)]
+    assert flat == [(name, i) for name, n in listing for i in range(n)]
+    sizes = [sum(stop - start for _, start, stop in sp) for sp in spans]
+    assert all(size == span for size in sizes[:-1]) and (not sizes or 0 < sizes[-1] <= span)
+    assert all(stop > start for sp in spans for _, start, stop in sp)
+
+
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=400),
+    st.lists(st.integers(0, 400), max_size=10),
+    st.lists(st.integers(0, 400), max_size=10),
+    st.integers(0, 3),
+    st.integers(0, 2),
+)
+@settings(max_examples=60, deadline=None)
+def test_caches_cut_differently_train_on_the_same_batches(lengths, cuts_a, cuts_b, seed, epoch) -> None:
+    """Lossless, fp8 and q4 caches of one dataset hold one stored order under different shard cuts."""
+    kwargs = dict(seed=seed, epoch=epoch, window=16, token_budget=64, max_length=40, heldout_fraction=0.1)
+    rows = []
+    for cuts in (cuts_a, cuts_b):
+        shards = _cut(lengths, cuts)
+        rows.append(
+            [[r.row for r in b] for b in epoch_batches(_listing(shards), shards.__getitem__, **kwargs)]
+        )
+    assert rows[0] == rows[1]
+
+
+def test_the_shard_order_gave_each_cut_its_own_batches() -> None:
+    """Why spans: under the shard order the same stored samples cut in 2 and in 3 shards trained apart."""
+    lengths = [10] * 300
+    kwargs = dict(seed=0, epoch=0, window=16, token_budget=40, max_length=40, heldout_fraction=0.0)
+    a, b = _cut(lengths, [150]), _cut(lengths, [100, 200])
+    for order, same in (("shards", False), ("spans", True)):
+        batches = [
+            [
+                [r.row for r in batch]
+                for batch in epoch_batches(_listing(s), s.__getitem__, order=order, **kwargs)
+            ]
+            for s in (a, b)
+        ]
+        assert (batches[0] == batches[1]) is same
+
+
+def test_each_shard_index_is_read_once_an_epoch() -> None:
+    shards = _shards([[10] * 37 for _ in range(9)])  # spans of 64 straddle every shard boundary
+    opened: Counter[str] = Counter()
+
+    def entries_of(name: str) -> ShardEntries:
+        opened[name] += 1
+        return shards[name]
+
+    kwargs = dict(seed=1, window=8, token_budget=40, max_length=40, heldout_fraction=0.0)
+    refs = [r for b in epoch_batches(_listing(shards), entries_of, epoch=0, **kwargs) for r in b]
+    assert opened == Counter(dict.fromkeys(shards, 1))
+    assert sorted((r.shard, r.index) for r in refs) == [(n, i) for n in shards for i in range(37)]
+    with pytest.raises(ValueError, match="order='rows'"):
+        next(epoch_batches(_listing(shards), entries_of, epoch=0, order="rows", **kwargs))
 
 
 def test_samples_without_anchor_and_long_samples() -> None:
@@ -131,7 +216,7 @@ def test_samples_without_anchor_and_long_samples() -> None:
     shards["shard-000000.dfs"].supervised[0] = 1  # one supervised token: no anchor pair, never trained on
     batches = list(
         epoch_batches(
-            list(shards),
+            _listing(shards),
             shards.__getitem__,
             seed=0,
             epoch=0,

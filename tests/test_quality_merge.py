@@ -51,6 +51,20 @@ def test_two_sessions_seeds_merge_into_one_table_and_codecs_pair_by_seed(tmp_pat
     out = capsys.readouterr().out
     assert "base, f1, fp8" in out and "s0 +5.0% s1 -10.0%" in out and "-2.5%   7.5%" in out
     assert "phases (s)" not in out  # a merged report has none of its own
+    # reports without data_order predate spans: their codec pairs trained on different batches, and say so
+    assert merged["data_order"] == "shards" and "each codec's cache gave its runs their own batches" in out
+
+
+def test_reports_of_the_two_data_orders_do_not_merge_and_spans_pairs_say_nothing(
+    tmp_path: Path, capsys
+) -> None:
+    spans = {**_report({"base-lossless-f1-s0": 4.0, "base-fp8-f1-s0": 4.2}), "data_order": "spans"}
+    a = _write(tmp_path / "a.json", spans)
+    b = _write(tmp_path / "b.json", _report({"base-lossless-f1-s1": 5.0}))
+    with pytest.raises(SystemExit, match=r"another data order than .*\('shards' against 'spans'\)"):
+        quality_merge.main([str(a), str(b)])
+    assert quality_merge.main([str(a)]) == 0
+    assert "own batches" not in capsys.readouterr().out
 
 
 def test_a_report_entry_reads_back_as_the_run_it_was() -> None:

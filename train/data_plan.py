@@ -2,16 +2,27 @@
 
 No I/O here: a shard's index is fetched through the `entries_of` callable the loader passes in, and
 only when the plan reaches that shard, so nothing scans the cache before the first batch. Everything
-is a function of (seed, epoch, the shard indexes), never of time or thread scheduling, which is what
+is a function of (seed, epoch, the shards' sample counts and indexes), never of time or thread scheduling, which is what
 makes the data position resumable exactly and identical on every rank.
 
-Epoch plan: shards in a seeded permutation -> held-out rows dropped -> a bounded-window shuffle ->
+Epoch plan: the cache's stored order (shards in name order, samples in stored order) cut into spans of
+`SPAN_SAMPLES` -> the spans in a seeded permutation -> held-out rows dropped -> a bounded-window shuffle ->
 greedy packing to a token budget (the global batch stream, independent of the world size) -> groups
 of `world_size` consecutive batches, rank r taking batch r of each group.
+
+Why spans, not shards: extraction cuts its stored order into shards by stored bytes, so lossless, fp8 and
+q4 caches of one dataset (or one extracted with another `--unit-bytes`, or converted) hold the same samples
+in the same order under different cuts. Permuting shards gave each cache its own batches: two runs of one
+seed on two codecs trained on two data orders, and a codec's gap to lossless carried the data order's
+variance. Spans give every such cache the same batches, and the same anchors with them. The stored order is
+extraction's, longest rows first, so a shard is a stretch of similar lengths: a cache of two big shards was
+trained in near length order, where the window now mixes ~window / SPAN_SAMPLES random stretches whatever the
+shard size. A run whose checkpoint predates spans resumes on the shard order it started with (`ORDERS`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -19,7 +30,10 @@ import numpy as np
 
 _HOLDOUT_SALT = np.uint64(0x9E3779B97F4A7C15)
 _SHARD_ORDER_TAG = 0x5348
+_SPAN_ORDER_TAG = 0x5350
 _WINDOW_TAG = 0x5749
+SPAN_SAMPLES = 64  # stored samples per span: the window (1024 by default) mixes ~16 stretches of the order
+ORDERS = ("spans", "shards")  # an epoch's order: spans of the stored order; shards, for runs started before
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +81,40 @@ def heldout_mask(rows: np.ndarray, fraction: float, explicit: frozenset[int] = f
 
 
 def shard_order(names: Sequence[str], seed: int, epoch: int) -> list[str]:
-    """The shards of one epoch in a seeded permutation of their sorted names."""
+    """The shards of one epoch in a seeded permutation of their sorted names (the `shards` order)."""
     ordered = sorted(names)
     perm = np.random.default_rng([seed, epoch, _SHARD_ORDER_TAG]).permutation(len(ordered))
     return [ordered[i] for i in perm]
+
+
+Piece = tuple[str, int, int | None]  # (shard, first stored sample, end; None: the shard's end)
+
+
+def stored_spans(shards: Sequence[tuple[str, int]], span: int = SPAN_SAMPLES) -> list[list[Piece]]:
+    """The stored order of `shards` ((name, stored samples), any order: read in name order) cut into spans
+    of `span` samples, each as its pieces per shard. The cuts depend on the sample counts alone."""
+    if span < 1:
+        raise ValueError(f"span={span}: must be >= 1")
+    spans: list[list[Piece]] = []
+    filled = span  # samples in the last span: a new one starts at once
+    for name, count in sorted(shards):
+        start = 0
+        while start < count:
+            if filled == span:
+                spans.append([])
+                filled = 0
+            stop = min(count, start + span - filled)
+            spans[-1].append((name, start, stop))
+            filled += stop - start
+            start = stop
+    return spans
+
+
+def span_order(shards: Sequence[tuple[str, int]], seed: int, epoch: int) -> list[Piece]:
+    """The pieces of one epoch: `stored_spans` in a seeded permutation (the `spans` order)."""
+    spans = stored_spans(shards)
+    perm = np.random.default_rng([seed, epoch, _SPAN_ORDER_TAG]).permutation(len(spans))
+    return [piece for i in perm for piece in spans[i]]
 
 
 def window_shuffle(items: Iterable[SampleRef], window: int, rng: np.random.Generator) -> Iterator[SampleRef]:
@@ -109,15 +153,35 @@ def trainable_samples(
     max_length: int,
     heldout_fraction: float,
     heldout_rows: frozenset[int],
+    start: int = 0,
+    stop: int | None = None,
 ) -> list[SampleRef]:
-    """A shard's samples in stored order, minus held-out rows and samples with no anchor."""
-    keep = ~heldout_mask(entries.rows, heldout_fraction, heldout_rows) & (entries.supervised >= 2)
-    lengths = np.minimum(entries.lengths, max_length)
-    return [SampleRef(shard, int(i), int(entries.rows[i]), int(lengths[i])) for i in np.flatnonzero(keep)]
+    """A shard's stored samples [start, stop) in stored order, minus held-out rows and samples with no anchor
+    (an unreadable shard skipped under `--on-corrupt skip` has no entries: nothing)."""
+    rows, supervised = entries.rows[start:stop], entries.supervised[start:stop]
+    keep = ~heldout_mask(rows, heldout_fraction, heldout_rows) & (supervised >= 2)
+    lengths = np.minimum(entries.lengths[start:stop], max_length)
+    return [SampleRef(shard, start + int(i), int(rows[i]), int(lengths[i])) for i in np.flatnonzero(keep)]
+
+
+def _pieces_once(pieces: list[Piece], entries_of: EntriesOf) -> Iterator[tuple[Piece, ShardEntries]]:
+    """Each piece with its shard's entries, fetched when the first piece of the shard comes and dropped
+    after its last: one index read per shard and epoch, and only the indexes of shards begun are held."""
+    left = Counter(name for name, _, _ in pieces)
+    held: dict[str, ShardEntries] = {}
+    for piece in pieces:
+        name = piece[0]
+        entries = held.get(name)
+        if entries is None:
+            entries = held[name] = entries_of(name)
+        left[name] -= 1
+        if not left[name]:
+            del held[name]
+        yield piece, entries
 
 
 def epoch_batches(
-    shard_names: Sequence[str],
+    shards: Sequence[tuple[str, int]],
     entries_of: EntriesOf,
     *,
     seed: int,
@@ -127,17 +191,27 @@ def epoch_batches(
     max_length: int,
     heldout_fraction: float,
     heldout_rows: frozenset[int] = frozenset(),
+    order: str = "spans",
 ) -> Iterator[list[SampleRef]]:
-    """The global batch stream of one epoch (the same for any world size)."""
+    """The global batch stream of one epoch (the same for any world size) over `shards`, (name, stored
+    samples) each; with the `spans` order the same for any cut of one stored order into shards."""
+    if order == "spans":
+        pieces = span_order(shards, seed, epoch)
+    elif order == "shards":
+        pieces = [(name, 0, None) for name in shard_order([n for n, _ in shards], seed, epoch)]
+    else:
+        raise ValueError(f"order={order!r}: choose one of {', '.join(ORDERS)}")
 
     def samples() -> Iterator[SampleRef]:
-        for name in shard_order(shard_names, seed, epoch):
+        for (name, start, stop), entries in _pieces_once(pieces, entries_of):
             yield from trainable_samples(
                 name,
-                entries_of(name),
+                entries,
                 max_length=max_length,
                 heldout_fraction=heldout_fraction,
                 heldout_rows=heldout_rows,
+                start=start,
+                stop=stop,
             )
 
     rng = np.random.default_rng([seed, epoch, _WINDOW_TAG])

@@ -192,6 +192,25 @@ def test_the_recorded_cpu_size_seeds_give_benchmarks_numbers() -> None:
     assert [round(se, 3) for se in gap["per_seed_rows_se"]] == [0.006, 0.004]
 
 
+def test_the_recorded_cpu_size_seeds_on_spans_give_benchmarks_numbers() -> None:
+    # BENCHMARKS.md, "One data order for every codec": fp8 -0.1% ± 0.2% and -0.5% ± 0.3% per seed; and against
+    # the same seeds' runs on the shard order, every run walked further (+1.4% .. +3.0%).
+    spans_path = REPORTS / "cpu-code-spans-s0-s1.json"
+    spans = quality_merge.read_report(spans_path)
+    (gap,) = codec_gaps(spans["runs"])
+    assert [round(g, 3) for g in gap["per_seed"]] == [-0.001, -0.005]
+    assert [round(se, 3) for se in gap["per_seed_rows_se"]] == [0.002, 0.003]
+    shards = {
+        r["run"]: r
+        for s in (0, 1)
+        for r in json.loads((REPORTS / f"cpu-code-codecs-s{s}.json").read_text())["runs"]
+    }
+    gains = sorted(round(r["tau_walk"] / shards[r["run"]]["tau_walk"] - 1, 3) for r in spans["runs"])
+    assert gains == [0.014, 0.02, 0.025, 0.03]
+    with pytest.raises(SystemExit, match="another data order"):  # so the two orders never pair in a merge
+        quality_merge.merge({spans_path: spans, REPORTS / "x.json": {**spans, "data_order": "shards"}})
+
+
 def test_variants_pair_with_the_first_variant_of_their_codec_and_seed(capsys) -> None:
     rows_a = {"1": [40, 10], "2": [90, 20], "3": [33, 11]}
     rows_b = {"1": [41, 10], "2": [88, 20], "3": [36, 11]}

@@ -2,8 +2,8 @@
 
 No I/O here: a shard's index is fetched through the `entries_of` callable the loader passes in, and
 only when the plan reaches that shard, so nothing scans the cache before the first batch. Everything
-is a function of (seed, epoch, the shards' sample counts and indexes), never of time or thread scheduling, which is what
-makes the data position resumable exactly and identical on every rank.
+is a function of (seed, epoch, the shards' sample counts and indexes), never of time or thread
+scheduling, which is what makes the data position resumable exactly and identical on every rank.
 
 Epoch plan: the cache's stored order (shards in name order, samples in stored order) cut into spans of
 `SPAN_SAMPLES` -> the spans in a seeded permutation -> held-out rows dropped -> a bounded-window shuffle ->

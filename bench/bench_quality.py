@@ -55,8 +55,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash.train.data_plan import ORDERS
-
 from bench.quality_pack import nested_work, pack, target_work, unpack, work_mismatch
 from bench.quality_phases import (
     phase_cache,
@@ -66,7 +64,7 @@ from bench.quality_phases import (
     stop_children_on_signals,
     write_heldout_files,
 )
-from bench.quality_report import Scorer, print_table, summarize
+from bench.quality_report import Scorer, data_order, print_table, summarize
 from bench.quality_sizes import (
     SIZES,
     Run,
@@ -76,8 +74,6 @@ from bench.quality_sizes import (
     with_trainer_defaults,
 )
 from bench.quality_target import COMPILE_MODES, TARGET_KINDS
-
-DATA_ORDER = ORDERS[0]  # how dflash-train orders an epoch (its runs here all start fresh): spans
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": args.recipe,
         "train_args": args.train_args,
         "scored_on": scored_on,
-        "data_order": DATA_ORDER,
+        "data_order": data_order(good),
         "seconds": seconds,
     }
     (work / args.runs_dir / "quality.json").write_text(json.dumps(report, indent=1) + "\n")

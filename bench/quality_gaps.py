@@ -90,9 +90,12 @@ def print_gaps(report: dict[str, Any]) -> None:
             f"\n{what}, paired by seed (walk / the same seed's reference walk - 1; a seed's ±: the held-out rows' "
             "standard error of its gap, where the report kept each row's walk):"
         )
-        if differ == "codec" and report.get("data_order", "shards") == "shards":
+        order = report.get("data_order", "shards")
+        if differ == "codec" and order != "spans":
             print(
                 "(runs from before the spans data order: each codec's cache gave its runs their own batches)"
+                if order == "shards"
+                else "(runs on both data orders: a codec pair shares its batches where both ran on spans)"
             )
         label_of = (*_SHARED[differ], differ)
         print(

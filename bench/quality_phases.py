@@ -235,6 +235,8 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
         seconds = train_and_export(run_flags(run, work, size, meta, device, extra), run.dir, run.name)
         (run.dir / "bench_seconds.json").write_text(json.dumps({"train_seconds": round(seconds, 1)}))
     run.result["train_seconds"] = json.loads((run.dir / "bench_seconds.json").read_text())["train_seconds"]
+    # the epoch order it trained on (dflash-train writes RUN/config.json; runs from before spans have none)
+    run.result["data_order"] = json.loads((run.dir / "config.json").read_text()).get("data_order", "shards")
     run.result["curve"] = [
         {k: r[k] for k in ("step", "tau", "tau_walk", "eval_loss") if k in r}
         for r in map(json.loads, (run.dir / "metrics.jsonl").read_text().splitlines())

@@ -117,6 +117,13 @@ class Scorer:
 # --- report -------------------------------------------------------------------------------------------
 
 
+def data_order(runs: list[Run]) -> str:
+    """The epoch order the runs trained on (`dflash-train --data-order`), "mixed" when they differ: codec pairs
+    share their batches on `spans` only (`bench/quality_gaps.py`)."""
+    orders = {run.result.get("data_order", "shards") for run in runs}
+    return orders.pop() if len(orders) == 1 else "mixed"
+
+
 def summarize(runs: list[Run], base: dict[str, Any]) -> list[dict[str, Any]]:
     """One table row per (variant, codec, fraction): mean and spread over seeds, against prompt lookup and
     (a codec's cost) against the lossless cache's drafters of the same variant and fraction."""

@@ -78,11 +78,6 @@ DAMAGE = {
     "loader_epoch_string": ("loader.json", lambda p: _edit_json(p, _set("epoch", "x")), ["epoch"]),
     "loader_epoch_huge": ("loader.json", lambda p: _edit_json(p, _set("epoch", 10**30)), ["epoch"]),
     "loader_epoch_past_run": ("loader.json", lambda p: _edit_json(p, _set("epoch", 5)), ["epoch"]),
-    "loader_order_unknown": (
-        "loader.json",
-        lambda p: _edit_json(p, _set("order", "rows")),
-        ["order", "'rows'"],
-    ),
     "rng_number": ("rng.json", lambda p: p.write_text("5"), ["JSON object"]),
     "rng_numpy_string": ("rng.json", lambda p: _edit_json(p, _set("numpy", "x")), ["numpy"]),
     "rng_kind_pcg64": ("rng.json", lambda p: _edit_json(p, _set("kind", "PCG64", "numpy")), ["numpy.kind"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -12,9 +13,11 @@ import pytest
 import torch
 from dflash.shards import Cache, ShardReader, get_codec
 from dflash.shards.errors import ShardError
+from dflash.train.config import tiny_debug
 from dflash.train.data_plan import heldout_mask
 from dflash.train.data_spec import DataSpec
 from dflash.train.loader import StreamingLoader
+from dflash.train.loop import train
 
 from tests.common.fake_cache import corrupt_sample, write_fake_cache
 
@@ -91,19 +94,32 @@ def test_resume_from_any_state_gives_the_same_batches(cache_dir: Path) -> None:
             assert torch.equal(a.batch.features, b.batch.features)
 
 
-def test_a_state_from_before_spans_resumes_on_the_shard_order(cache_dir: Path) -> None:
-    assert all(state["order"] == "spans" for _, state in _collect(_loader(cache_dir)))
-    start = {"epoch": 0, "next_index": 0, "skipped_samples": 0}  # loader.json as runs wrote it before spans
-    old_run = _loader(cache_dir)
-    old_run.load_state_dict(start)
-    full = _collect(old_run)
-    assert old_run.order == "shards" and all(state["order"] == "shards" for _, state in full)
-    resumed = _loader(cache_dir)
-    resumed.load_state_dict({k: v for k, v in full[2][1].items() if k != "order"})
+def test_the_shard_order_of_runs_started_before_spans_resumes_exactly(cache_dir: Path) -> None:
+    full = _collect(_loader(cache_dir, order="shards"))
+    resumed = _loader(cache_dir, order="shards")
+    resumed.load_state_dict(full[2][1])
     assert [b.rows for b, _ in _collect(resumed)] == [b.rows for b, _ in full[3:]]
     assert [b.rows for b, _ in full] != [b.rows for b, _ in _collect(_loader(cache_dir))]  # spans differ
-    with pytest.raises(ValueError, match="order 'rows'"):
-        _loader(cache_dir).load_state_dict({**start, "order": "rows"})
+
+
+def test_a_checkpoint_from_before_spans_resumes_with_the_flag_it_names(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    common = {"eval_every": 0, "tensorboard": False, "plots": False}
+    train(tiny_debug(str(cache_dir), str(run), max_steps=2, data_order="shards", **common))
+    meta_path = run / "checkpoints" / "step_000002" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["config"]["data_order"]  # written before the setting existed: the shard order trained it
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(
+        ValueError, match=r"data_order: 'shards' \(checkpoint\) != 'spans'.*add --data-order shards"
+    ):
+        train(tiny_debug(str(cache_dir), str(run), max_steps=3, resume=True, **common))
+    resumed = train(
+        tiny_debug(str(cache_dir), str(run), max_steps=3, resume=True, data_order="shards", **common)
+    )
+    assert resumed.step == 3
 
 
 def test_caches_cut_into_other_shards_give_the_same_batches(cache_dir: Path, tmp_path: Path) -> None:

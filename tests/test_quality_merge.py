@@ -11,6 +11,7 @@ from dflash.train.walk_stats import paired_gap
 
 from bench import quality_merge
 from bench.quality_gaps import codec_gaps, print_gaps, variant_gaps
+from bench.quality_report import data_order
 from bench.quality_sizes import Run
 
 REPORTS = Path(__file__).parents[1] / "bench" / "reports"
@@ -209,6 +210,20 @@ def test_the_recorded_cpu_size_seeds_on_spans_give_benchmarks_numbers() -> None:
     assert gains == [0.014, 0.02, 0.025, 0.03]
     with pytest.raises(SystemExit, match="another data order"):  # so the two orders never pair in a merge
         quality_merge.merge({spans_path: spans, REPORTS / "x.json": {**spans, "data_order": "shards"}})
+
+
+def test_a_report_names_the_order_its_runs_trained_on(capsys) -> None:
+    def run(order: str | None) -> Run:
+        r = Run(variant="base", flags=(), codec="fp8", fraction=1.0, seed=0, dir=Path("."), curve=False)
+        r.result.update({} if order is None else {"data_order": order})
+        return r
+
+    assert data_order([run("spans"), run("spans")]) == "spans"
+    assert data_order([run(None)]) == "shards"  # a run directory from before the setting
+    assert data_order([run("spans"), run("shards")]) == "mixed"
+    report = {**_report({"base-lossless-f1-s0": 4.0, "base-fp8-f1-s0": 4.2}), "data_order": "mixed"}
+    print_gaps(report)
+    assert "runs on both data orders" in capsys.readouterr().out
 
 
 def test_variants_pair_with_the_first_variant_of_their_codec_and_seed(capsys) -> None:

@@ -16,8 +16,6 @@ from dflash.shards.safe_io import check_regular
 from dflash.shards.safe_io import read_json as safe_read_json
 from safetensors import SafetensorError, safe_open
 
-from .data_plan import ORDERS
-
 STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
 
 _MAX_INT = 2**63 - 1
@@ -126,8 +124,6 @@ def check_loader_state(
         json_int(state["seed"], path, "seed", low=-_MAX_INT, high=_MAX_INT - 1)
     if "world_size" in state:
         json_int(state["world_size"], path, "world_size", low=1)
-    if "order" in state and state["order"] not in ORDERS:
-        raise CheckpointError(f"{path}: order {state['order']!r} is not one of {', '.join(ORDERS)}")
     if epochs is not None and state.get("epoch", 0) >= epochs:
         raise CheckpointError(
             f"{path}: epoch {state['epoch']} is past the {epochs} epoch(s) of the run that wrote it"

@@ -32,6 +32,7 @@ from .config import (
     tiny_debug,
 )
 from .config_file import load_config_file
+from .data_plan import ORDERS
 from .metrics import read_metrics
 from .stop_signal import StopRequest, exit_code
 from .verdict import evaluations, verdict
@@ -123,6 +124,12 @@ def _train_parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--prefetch-batches", type=int, help="batches prepared ahead of the GPU")
     data.add_argument("--shuffle-window", type=int, help="samples in the shuffle buffer")
+    data.add_argument(
+        "--data-order",
+        choices=ORDERS,
+        help="an epoch's order: spans of the cache's stored order (the same batches from any codec's cache of "
+        "one dataset) or shards (runs started before 2026-12-05 resume with it)",
+    )
     data.add_argument(
         "--on-corrupt", choices=ON_CORRUPT_CHOICES, help="corrupt sample: skip (counted) or fail"
     )

@@ -16,6 +16,8 @@ from typing import Any
 from dflash.shards.layers import check_layer_ids
 from dflash.shards.urls import check_url, default_local_dir, is_url, local_path
 
+from .data_plan import ORDERS
+
 ON_CORRUPT_CHOICES = ("skip", "fail")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 ATTENTION_CHOICES = ("auto", "dense", "flex")  # see mask.choose_backend
@@ -43,6 +45,9 @@ class LoaderConfig:
     loader_workers: int | None = None
     prefetch_batches: int = 8
     shuffle_window: int = 1024
+    # an epoch's order (`data_plan.py`): spans of the stored order, the same batches from any codec's cache of
+    # one dataset; shards, the order of runs started before spans (2026-12-05)
+    data_order: str = "spans"
     on_corrupt: str = "fail"
     eval_fraction: float = 0.01
     eval_rows: str | None = None
@@ -66,6 +71,8 @@ class LoaderConfig:
             )
         if self.on_corrupt not in ON_CORRUPT_CHOICES:
             raise ValueError(f"on_corrupt={self.on_corrupt!r}: choose one of {', '.join(ON_CORRUPT_CHOICES)}")
+        if self.data_order not in ORDERS:
+            raise ValueError(f"data_order={self.data_order!r}: choose one of {', '.join(ORDERS)}")
         if not (isinstance(self.shard_cache_gb, (int, float)) and 0.0 <= self.shard_cache_gb < math.inf):
             raise ValueError(f"shard_cache_gb={self.shard_cache_gb!r}: must be a number of GB >= 0")
         if self.shard_cache_dir is not None:

@@ -17,7 +17,8 @@ seed on two codecs trained on two data orders, and a codec's gap to lossless car
 variance. Spans give every such cache the same batches, and the same anchors with them. The stored order is
 extraction's, longest rows first, so a shard is a stretch of similar lengths: a cache of two big shards was
 trained in near length order, where the window now mixes ~window / SPAN_SAMPLES random stretches whatever the
-shard size. A run whose checkpoint predates spans resumes on the shard order it started with (`ORDERS`).
+shard size. `--data-order shards` keeps the old order: a run started before spans resumes with it (its
+`--resume` names the flag), and a fresh run can reproduce an older one's batches.
 """
 
 from __future__ import annotations

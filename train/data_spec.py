@@ -57,6 +57,7 @@ class DataSpec:
     split_own_slots: bool = False  # FlexAttention's tiles over the context keys only (`split_attention.py`)
     # loader only
     epochs: int = 1
+    order: str = "spans"  # how an epoch orders the cache (`data_plan.ORDERS`)
     shuffle_window: int = 1024
     loader_threads: int = 4
     loader_workers: int | None = 0  # None: `loader_procs.streaming_loader` picks by device
@@ -102,6 +103,7 @@ class DataSpec:
             attention=cfg.attention,
             split_own_slots=cfg.split_own_slots,
             epochs=cfg.optim.epochs,
+            order=cfg.data.data_order,
             shuffle_window=cfg.data.shuffle_window,
             loader_threads=cfg.data.loader_threads,
             loader_workers=cfg.data.loader_workers,

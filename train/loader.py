@@ -40,7 +40,7 @@ from dflash.shards.threads import keep_own_threads, one_torch_thread
 
 from .blocks import PackedBatch
 from .config import TrainConfig
-from .data_plan import ORDERS, SampleRef, ShardEntries, epoch_batches, group_for_ranks
+from .data_plan import SampleRef, ShardEntries, epoch_batches, group_for_ranks
 from .data_spec import DataSpec, read_sample, shard_entries
 from .loaded_batch import END, Job, LoadedBatch, stoppable_put
 from .mask import flex_failure, flex_possible
@@ -84,7 +84,6 @@ class StreamingLoader:
         self.bad_shards: dict[str, str] = {}
         self.corrupt_messages: list[str] = []
         self._state = {"epoch": 0, "next_index": 0, "skipped_samples": 0}
-        self.order = ORDERS[0]  # a resumed run keeps the order it started with (`load_state_dict`)
 
     @classmethod
     def for_run(
@@ -108,7 +107,7 @@ class StreamingLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch `iterate()` yielded (JSON-able). `skipped_samples` counts this
         rank's skips; the trainer saves their sum over ranks (`load_state_dict` gives it back to rank 0)."""
-        return {**self._state, "seed": self.spec.seed, "world_size": self.world_size, "order": self.order}
+        return {**self._state, "seed": self.spec.seed, "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("seed", self.spec.seed) != self.spec.seed:
@@ -116,9 +115,6 @@ class StreamingLoader:
                 f"loader state was saved with seed {state['seed']}, this run has seed {self.spec.seed}"
             )
         self._state = {k: int(state[k]) for k in ("epoch", "next_index", "skipped_samples")}
-        self.order = state.get("order", "shards")  # saved before spans: the shard order it started with
-        if self.order not in ORDERS:
-            raise ValueError(f"loader state's order {self.order!r}: not one of {', '.join(ORDERS)}")
         if self.rank != 0:  # the saved count is every rank's: rank 0 carries it, so the sum stays right
             self._state["skipped_samples"] = 0
 
@@ -134,7 +130,7 @@ class StreamingLoader:
         stream = epoch_batches(
             [(info.name, info.rows) for info in self.cache.shard_infos],
             self.entries_of,
-            order=self.order,
+            order=spec.order,
             seed=spec.seed,
             epoch=epoch,
             window=spec.shuffle_window,

@@ -21,7 +21,7 @@ from .checkpoint_files import CheckpointError
 from .config import TrainConfig
 
 # What a run trained with where its checkpoint lacks the key: defaults that changed since the key was added
-BEFORE_DEFAULTS = {"slot_weights": "decay"}
+BEFORE_DEFAULTS = {"slot_weights": "decay", "data_order": "shards"}
 
 # Settings a resume may change: they do not alter the trajectory up to the checkpoint.
 RESUMABLE_KEYS = frozenset(

@@ -104,12 +104,12 @@ class StreamingLoader:
 
     # --- position ------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, int]:
         """The position after the last batch `iterate()` yielded (JSON-able). `skipped_samples` counts this
         rank's skips; the trainer saves their sum over ranks (`load_state_dict` gives it back to rank 0)."""
         return {**self._state, "seed": self.spec.seed, "world_size": self.world_size}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("seed", self.spec.seed) != self.spec.seed:
             raise ValueError(
                 f"loader state was saved with seed {state['seed']}, this run has seed {self.spec.seed}"

@@ -208,7 +208,13 @@ def test_the_recorded_cpu_size_seeds_on_spans_give_benchmarks_numbers() -> None:
     }
     gains = sorted(round(r["tau_walk"] / shards[r["run"]]["tau_walk"] - 1, 3) for r in spans["runs"])
     assert gains == [0.014, 0.02, 0.025, 0.03]
-    reach = quality_merge.read_report(REPORTS / "cpu-code-spans-reach-s0.json")  # --slot-weights reach, seed 0
+    prose = [REPORTS / f"cpu-prose-order-s{seed}.json" for seed in (0, 1)]  # both orders side by side
+    (gap,) = variant_gaps(quality_merge.merge({p: quality_merge.read_report(p) for p in prose})["runs"])
+    assert (gap["variant"], gap["reference"]) == ("shards", "base")
+    assert [round(g, 3) for g in gap["per_seed"]] == [-0.028, -0.017]
+    reach = quality_merge.read_report(
+        REPORTS / "cpu-code-spans-reach-s0.json"
+    )  # --slot-weights reach, seed 0
     (gap,) = codec_gaps(reach["runs"])
     assert (round(gap["per_seed"][0], 3), round(gap["per_seed_rows_se"][0], 3)) == (-0.001, 0.003)
     with pytest.raises(SystemExit, match="another data order"):  # so the two orders never pair in a merge

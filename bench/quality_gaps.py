@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.train.walk_stats import RowWalks, paired_gap
 
-from bench.quality_sizes import Run
+from bench.quality_sizes import OLD_ORDER, Run
 
 # what a pair's two runs differ in, and what they share (the row's label)
 _SHARED = {"codec": ("variant", "fraction"), "variant": ("codec", "fraction")}
@@ -90,11 +90,11 @@ def print_gaps(report: dict[str, Any]) -> None:
             f"\n{what}, paired by seed (walk / the same seed's reference walk - 1; a seed's ±: the held-out rows' "
             "standard error of its gap, where the report kept each row's walk):"
         )
-        order = report.get("data_order", "shards")
+        order = report.get("data_order", OLD_ORDER)
         if differ == "codec" and order != "spans":
             print(
                 "(runs from before the spans data order: each codec's cache gave its runs their own batches)"
-                if order == "shards"
+                if order == OLD_ORDER
                 else "(runs on both data orders: a codec pair shares its batches where both ran on spans)"
             )
         label_of = (*_SHARED[differ], differ)

@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_report import print_table, summarize
-from bench.quality_sizes import Run
+from bench.quality_sizes import OLD_ORDER, Run
 
 # What makes two reports' drafters comparable: (what it is, where it is in a report).
 SAME = (
@@ -36,7 +36,6 @@ SAME = (
     # since `spans`, a seed's runs on two codecs train on the same batches; before, each cache's shards gave its own
     ("data order", ("data_order",)),
 )
-OLD_ORDER = "shards"  # a report without `data_order` predates spans
 
 
 # dflash-train flags that change how fast a run goes, not what it trains (the loader's batches are the same bit

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_data import cut_prompts, greedy_continuations, read_corpus, write_rows
 from bench.quality_pack import TRITON_CACHE, target_done
 from bench.quality_prose import ASSISTANT, CHAT_TOKENS, cut_chat_prompts, read_prose_corpus
-from bench.quality_sizes import DEFAULTS_CURVE_EVERY, Run, Size
+from bench.quality_sizes import DEFAULTS_CURVE_EVERY, OLD_ORDER, Run, Size
 from bench.quality_target import PAD, build_tokenizer, tokenize_files, train_target
 
 
@@ -236,7 +236,7 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
         (run.dir / "bench_seconds.json").write_text(json.dumps({"train_seconds": round(seconds, 1)}))
     run.result["train_seconds"] = json.loads((run.dir / "bench_seconds.json").read_text())["train_seconds"]
     # the epoch order it trained on (dflash-train writes RUN/config.json; runs from before spans have none)
-    run.result["data_order"] = json.loads((run.dir / "config.json").read_text()).get("data_order", "shards")
+    run.result["data_order"] = json.loads((run.dir / "config.json").read_text()).get("data_order", OLD_ORDER)
     run.result["curve"] = [
         {k: r[k] for k in ("step", "tau", "tau_walk", "eval_loss") if k in r}
         for r in map(json.loads, (run.dir / "metrics.jsonl").read_text().splitlines())

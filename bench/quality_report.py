@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.train.verdict import evaluations, trend
 
 from bench.quality_gaps import print_gaps
-from bench.quality_sizes import Run, Size
+from bench.quality_sizes import OLD_ORDER, Run, Size
 
 # dflash.train.lookup_split.CLASSES, spelled out: the report module imports no torch until a run is scored.
 SPLIT_CLASSES = ("full", "part", "none")
@@ -120,7 +120,7 @@ class Scorer:
 def data_order(runs: list[Run]) -> str:
     """The epoch order the runs trained on (`dflash-train --data-order`), "mixed" when they differ: codec pairs
     share their batches on `spans` only (`bench/quality_gaps.py`)."""
-    orders = {run.result.get("data_order", "shards") for run in runs}
+    orders = {run.result.get("data_order", OLD_ORDER) for run in runs}
     return orders.pop() if len(orders) == 1 else "mixed"
 
 

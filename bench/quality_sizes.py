@@ -12,9 +12,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.train.config import DraftSpec, LoaderConfig, OptimConfig
+from dflash.train.resume_checks import BEFORE_DEFAULTS
 
 from bench.quality_data import DataSpec
 from bench.quality_target import TargetSpec
+
+# the epoch order of a run or report that names none: it predates spans (`dflash-train --data-order`)
+OLD_ORDER = BEFORE_DEFAULTS["data_order"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

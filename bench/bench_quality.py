@@ -73,7 +73,7 @@ from bench.quality_sizes import (
     starts_in_time,
     with_trainer_defaults,
 )
-from bench.quality_target import COMPILE_MODES, TARGET_KINDS
+from bench.quality_target import COMPILE_MODES, TARGET_KINDS, software
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_args": args.train_args,
         "scored_on": scored_on,
         "data_order": data_order(good),
+        "run_with": software(args.device),
         "seconds": seconds,
     }
     (work / args.runs_dir / "quality.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -11,9 +11,11 @@ import contextlib
 import hashlib
 import math
 import os
+import platform
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +178,25 @@ def deterministic_kernels(strict: bool = True) -> Iterator[None]:
         torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
 
 
+SOFTWARE = ("torch", "transformers", "tokenizers", "numpy", "flash-linear-attention", "triton")
+
+
+def software(device: str) -> dict[str, str]:
+    """The versions a build or a run used, and the GPU's name: strict kernels repeat a target's weights on one
+    stack, not across torch or transformers releases (the prose `cpu` target's weights changed with the
+    library versions between two sessions: BENCHMARKS.md), so a report says which stack made its numbers."""
+    import torch
+
+    found = {"python": platform.python_version()}
+    for name in SOFTWARE:
+        with contextlib.suppress(metadata.PackageNotFoundError):  # FLA and triton are optional
+            found[name] = metadata.version(name)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        found["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        found["cuda"] = str(torch.version.cuda)
+    return found
+
+
 def train_target(
     spec: TargetSpec,
     tokenizer: Any,
@@ -190,6 +211,7 @@ def train_target(
     for `bench/bench_target_determinism.py`)."""
     with deterministic_kernels(strict):
         info = _train_target(spec, tokenizer, files, out, device, seed)
+    info["built_with"] = software(device)
     info["weights_sha256"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     return info
 

@@ -9,6 +9,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 from common.quality import ci_argv
 
 from bench import bench_quality, quality_data, quality_phases, quality_sizes
@@ -31,6 +33,9 @@ def test_ci_size_runs_every_phase_and_reports_on_heldout_rows(tmp_path: Path, ca
         assert len(heldout) == size.data.eval_rows + size.data.train_rows - round(
             fraction * size.data.train_rows
         )
+    # Which stack built the target and ran the drafters: a build repeats its weights on one stack only.
+    for stack in (report["target"]["built_with"], report["run_with"]):
+        assert stack["torch"] == torch.__version__ and stack["transformers"] == transformers.__version__
     base = report["baselines"]
     b = size.drafter.block_size
     assert base["prompt_lookup"]["eval_samples"] == size.data.eval_rows

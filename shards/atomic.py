@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,9 @@ def _fsync_file(path: Path) -> None:
 
 
 def temp_path(final: Path) -> Path:
-    """The hidden temp name a write to `final` goes through (`.NAME.tmp-PID`)."""
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    """The hidden temp name a write to `final` goes through (`.NAME.tmp-PID-THREAD`): two threads writing one
+    final name never share a temp file (the second would replace the first's as stale)."""
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{threading.get_native_id()}")
 
 
 def discard(path: Path) -> None:

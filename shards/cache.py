@@ -16,10 +16,11 @@ from pathlib import Path
 
 from .codecs import Codec, codec_from_dict
 from .errors import DuplicateRows, ShardError
+from .kept_shards import ShardFileCache
 from .manifest import Manifest, ShardInfo, load_manifest
 from .paths import SHARDS_DIR, unit_of_shard
 from .reader import Sample, ShardReader
-from .remote_cache import RemoteFile, ShardFileCache, stage_remote
+from .remote_cache import RemoteFile, stage_remote
 from .row_ledger import RowLedger, suspect_repeated_rows
 from .storage import Storage, open_storage
 from .trust import ReadLimits, check_manifest_for_reading, check_shard_identity, check_shard_layout
@@ -127,7 +128,7 @@ class Cache:
         `path` may be a URL (`s3://bucket/prefix`): manifest and target/ are copied into `local_dir` (default:
         one per URL under ~/.cache/dflash/remote) and shards are read by range requests, or, with
         `shard_cache_bytes`, downloaded whole into `local_dir`/shards and kept there up to that many bytes
-        (`remote_cache.ShardFileCache`)."""
+        (`kept_shards.ShardFileCache`)."""
         storage = open_storage(path) if is_url(str(path)) else None
         if storage is not None:  # a remote cache's manifest and target/ are read from their local copy
             path = stage_remote(storage, local_dir) if storage.is_remote else storage.root
@@ -189,7 +190,10 @@ class Cache:
         """Reads worth keeping in flight per reading thread: a range request spends most of its time waiting on
         the network (an object store's first byte: 10-50 ms), a local pread on a core; 1 when every shard
         is read from local disk."""
-        return REMOTE_READ_FANOUT if self.storage is not None and self._shard_cache is None else 1
+        if self.storage is None:
+            return 1
+        kept = self._shard_cache.max_bytes if self._shard_cache is not None else 0
+        return 1 if kept >= sum(s.bytes for s in self._listed.values()) > 0 else REMOTE_READ_FANOUT
 
     @property
     def codec(self) -> Codec:

@@ -11,16 +11,13 @@ readers that use it, exactly as a local cache's are.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 from pathlib import Path
 
 from .atomic import atomic_write, atomic_write_bytes
 from .errors import ShardError
 from .manifest import MAX_MANIFEST_BYTES, load_manifest
 from .paths import MANIFEST_NAME, TARGET_DIR
-from .reader import LocalFile, RangeFile
 from .storage import Storage
 from .target_files import HASH, file_digest, is_plain_name
 from .urls import default_local_dir
@@ -90,52 +87,3 @@ def stage_remote(storage: Storage, local_dir: str | os.PathLike | None = None) -
             if extra.name not in names and extra.is_file():
                 extra.unlink()
     return local
-
-
-class ShardFileCache:
-    """Whole shard objects kept in a local directory, at most `max_bytes` of them: a multi-epoch run reads each
-    shard from object storage once per node instead of once per epoch. The least recently opened are evicted
-    (a reader holding one open keeps reading it: unlinking never cuts an open descriptor). Processes may share
-    the directory: downloads land under a per-process temp name and are renamed in; the size bound is
-    checked against the directory's content, not a count kept in memory. What is read from here is checked as
-    what is read remotely: the index checksum at open, the manifest's identity, every frame's checksum."""
-
-    def __init__(self, directory: Path, max_bytes: int):
-        self.directory, self.max_bytes = directory, max_bytes
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def open(self, storage: Storage, key: str, name: str, size: int | None) -> RangeFile:
-        path = self.directory / name
-        if size is None or size > self.max_bytes:
-            return RemoteFile(storage, key)
-        with self._lock, contextlib.suppress(FileNotFoundError):  # evicted by another process meanwhile
-            if path.is_file() and path.stat().st_size == size:
-                os.utime(path)  # most recently used
-                file = LocalFile(path)
-                self.hits += 1
-                return file
-        self.misses += 1
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._make_room(size)
-        atomic_write(path, lambda tmp: storage.get_file(key, tmp))
-        try:
-            return LocalFile(path)
-        except FileNotFoundError:  # another process made room by evicting it: read it remotely this time
-            return RemoteFile(storage, key)
-
-    def _make_room(self, size: int) -> None:
-        with self._lock:
-            stats = []
-            for p in self.directory.iterdir():
-                with contextlib.suppress(FileNotFoundError):  # another process's eviction
-                    if p.is_file() and not p.name.startswith("."):
-                        st = p.stat()
-                        stats.append((st.st_mtime, st.st_size, p))
-            stats.sort(key=lambda t: t[0])
-            total = sum(s for _, s, _ in stats)
-            for _, s, p in stats:
-                if total + size <= self.max_bytes:
-                    break
-                p.unlink(missing_ok=True)
-                total -= s

@@ -217,11 +217,13 @@ class RemoteStorage(Storage):
         return self.read_range(key, 0, size)
 
     def get_file(self, key: str, local: Path) -> None:
-        count_request("get")
         if self._reads is not None:
             retrying(lambda: self._reads.get_file(key, local), self.where(key))
         else:
             retrying(lambda: self.fs.get_file(self._key(key), str(local)), self.where(key))
+        count_request(
+            "get", local.stat().st_size
+        )  # the bytes too: a whole shard, where a range read is a sample
 
     def put(self, key: str, data: bytes) -> None:
         count_request("put", len(data))

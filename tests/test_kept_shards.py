@@ -1,0 +1,140 @@
+"""A remote cache's shards kept on local disk up to a bound (`kept_shards.ShardFileCache`, `--shard-cache-gb`):
+what fits is kept, the rest is read by ranges and never downloaded whole again; threads and processes sharing
+the directory download a shard once and keep the bound together; stale reservations go; a smaller bound keeps
+the most recently used."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from common.synth import make_cache
+from dflash.shards import Cache
+from dflash.shards.kept_shards import RESERVE, ShardFileCache
+from dflash.shards.reader import LocalFile
+from dflash.shards.remote_cache import RemoteFile
+from dflash.shards.storage import open_storage
+
+from tests.common.s3 import upload_dir
+
+ROWS = 12
+
+
+@pytest.fixture(scope="module")
+def local_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("kept") / "cache"
+    make_cache(path, [40 + 7 * i for i in range(ROWS)], layers=(1, 3), hidden=64, rows_per_shard=2)
+    return path
+
+
+@pytest.fixture
+def remote(s3, local_cache: Path) -> str:
+    bucket = s3.new_bucket()
+    upload_dir(s3, bucket, "c", local_cache)
+    return f"s3://{bucket}/c"
+
+
+def _shard_sizes(local_cache: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (local_cache / "shards").iterdir()}
+
+
+def _kept(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in directory.iterdir()}
+
+
+def test_keeps_what_fits_and_reads_the_rest_by_ranges(remote: str, local_cache: Path, tmp_path: Path) -> None:
+    sizes = _shard_sizes(local_cache)
+    bound = sum(sorted(sizes.values())[-2:])  # two shards at least
+    with Cache.open(local_cache) as plain:
+        expected = {e.row: plain.read(e.row).input_ids for e in plain.entries()}
+    # One reader open at a time: every shard is opened again at each of its rows, as shards are at scale
+    with Cache.open(remote, local_dir=tmp_path / "l", shard_cache_bytes=bound, max_open_shards=1) as cache:
+        kept_files = cache._shard_cache
+        downloads = []
+        for rows in (sorted(expected), sorted(expected, reverse=True)):  # two epochs, another order
+            for row in rows:
+                assert cache.read(row).input_ids.equal(expected[row])
+            downloads.append(kept_files.misses)
+        kept = _kept(tmp_path / "l" / "shards")
+        assert 2 <= len(kept) < len(sizes) and sum(kept.values()) <= bound
+        # Each kept shard was downloaded once, in the first epoch; the others never whole, however often opened.
+        assert downloads == [len(kept), len(kept)] and kept_files.remote >= 2 * (len(sizes) - len(kept))
+        assert cache.read_fanout > 1  # some reads wait on the network
+
+
+def test_threads_opening_one_shard_download_it_once(remote: str, local_cache: Path, tmp_path: Path) -> None:
+    storage = open_storage(remote)
+    name, size = sorted(_shard_sizes(local_cache).items())[0]
+    kept = ShardFileCache(tmp_path / "shards", 10 * size)
+    start = threading.Barrier(8)
+
+    def open_it(_: int) -> object:
+        start.wait()
+        return kept.open(storage, f"shards/{name}", name, size)
+
+    with ThreadPoolExecutor(8) as pool:
+        files = list(pool.map(open_it, range(8)))
+    assert all(isinstance(f, LocalFile) for f in files)
+    assert (kept.misses, kept.hits) == (1, 7)
+    assert _kept(tmp_path / "shards") == {name: size}  # no temp file or reservation left
+
+
+def test_other_processes_reservations_count_and_stale_ones_go(
+    remote: str, local_cache: Path, tmp_path: Path
+) -> None:
+    storage = open_storage(remote)
+    name, size = sorted(_shard_sizes(local_cache).items())[0]
+    directory = tmp_path / "shards"
+    directory.mkdir()
+    live = directory / f"{RESERVE}{os.getppid()}-{size}-shard-999999.dfs"  # a download in flight elsewhere
+    live.touch()
+    kept = ShardFileCache(directory, size + size // 2)
+    assert isinstance(kept.open(storage, f"shards/{name}", name, size), RemoteFile)
+    live.unlink()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = directory / f"{RESERVE}{int(gone.stdout)}-{size}-shard-999999.dfs"  # its process was killed
+    stale.touch()
+    (directory / f".{name}.tmp-{int(gone.stdout)}-7").write_bytes(b"partial")
+    assert isinstance(kept.open(storage, f"shards/{name}", name, size), LocalFile)
+    assert _kept(directory) == {name: size}
+
+
+def test_a_smaller_bound_keeps_the_most_recently_used(remote: str, local_cache: Path, tmp_path: Path) -> None:
+    storage = open_storage(remote)
+    sizes = sorted(_shard_sizes(local_cache).items())[:3]
+    directory = tmp_path / "shards"
+    big = ShardFileCache(directory, 10 * sum(s for _, s in sizes))
+    for name, size in sizes:
+        big.open(storage, f"shards/{name}", name, size).close()
+    for when, (name, _) in enumerate(reversed(sizes)):  # the first shard is the most recently used
+        os.utime(directory / name, (1_000_000 + when, 1_000_000 + when))
+    ShardFileCache(directory, sizes[0][1] + 1)
+    assert _kept(directory) == {sizes[0][0]: sizes[0][1]}
+
+
+_READ_ALL = """
+import sys
+from dflash.shards import Cache
+with Cache.open(sys.argv[1], local_dir=sys.argv[2], shard_cache_bytes=int(sys.argv[3]), max_open_shards=1) as c:
+    for _ in range(2):
+        for e in c.entries():
+            c.read(e.row)
+"""
+
+
+def test_processes_sharing_the_directory_keep_the_bound(remote: str, local_cache: Path, tmp_path: Path) -> None:
+    sizes = _shard_sizes(local_cache)
+    bound = sum(sorted(sizes.values())[:3]) + 1
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _READ_ALL, remote, str(tmp_path / "l"), str(bound)])
+        for _ in range(3)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    kept = _kept(tmp_path / "l" / "shards")
+    assert kept and sum(kept.values()) <= bound
+    assert all(not name.startswith(".") for name in kept)

@@ -96,7 +96,9 @@ def test_other_processes_reservations_count_and_stale_ones_go(
     kept = ShardFileCache(directory, size + size // 2)
     assert isinstance(kept.open(storage, f"shards/{name}", name, size), RemoteFile)
     live.unlink()
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     stale = directory / f"{RESERVE}{int(gone.stdout)}-{size}-shard-999999.dfs"  # its process was killed
     stale.touch()
     (directory / f".{name}.tmp-{int(gone.stdout)}-7").write_bytes(b"partial")
@@ -127,7 +129,9 @@ with Cache.open(sys.argv[1], local_dir=sys.argv[2], shard_cache_bytes=int(sys.ar
 """
 
 
-def test_processes_sharing_the_directory_keep_the_bound(remote: str, local_cache: Path, tmp_path: Path) -> None:
+def test_processes_sharing_the_directory_keep_the_bound(
+    remote: str, local_cache: Path, tmp_path: Path
+) -> None:
     sizes = _shard_sizes(local_cache)
     bound = sum(sorted(sizes.values())[:3]) + 1
     procs = [

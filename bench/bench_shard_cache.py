@@ -1,15 +1,14 @@
 """What a local shard cache (`--shard-cache-gb`) smaller than a remote cache saves: bytes fetched from object
 storage per epoch by the real training loader, for both data orders, against the cache's stored bytes.
 
-    python bench/bench_shard_cache.py                    # this box: ~5 min
+    python bench/bench_shard_cache.py                    # this box: ~8 min
     python bench/bench_shard_cache.py --fractions 0.25,0.5,1.2 --epochs 3
 
-A synthetic cache of many shards (`--shards` x `--per-shard` samples, the tiny shape's rows) is served by moto's S3
-on a free local port; `StreamingLoader` reads it for `--epochs` epochs with a shard cache of each `--fractions`
-of the cache's stored bytes (0: range requests only), keeping at most `--open` shard readers (the trainer keeps
-64; a real cache has thousands of shards, so few stay open: fewer shards and fewer readers keep that ratio
-here). Reported per epoch: bytes fetched (range reads and whole-shard downloads) over the cache's bytes, GETs,
-and the shards downloaded whole.
+A synthetic cache of more shards than a loader keeps open (`--shards` x `--per-shard` samples, short rows of
+the tiny shape) is served by moto's S3 on a free local port; `StreamingLoader` reads it for `--epochs` epochs
+with a shard cache of each `--fractions` of the cache's stored bytes (0: range requests only), keeping as many
+shard readers open as training does (`--open` to try another number). Reported per epoch: bytes fetched
+(range reads and whole-shard downloads) over the cache's bytes, GETs, and the shards downloaded whole.
 """
 
 from __future__ import annotations
@@ -35,10 +34,10 @@ from tests.common.s3 import S3Server, upload_dir
 
 
 def epochs_fetched(
-    cfg: Any, drafter: DrafterConfig, open_readers: int, epochs: int
+    cfg: Any, drafter: DrafterConfig, open_readers: int | None, epochs: int
 ) -> list[dict[str, float]]:
     """Requests and bytes per epoch of one loader reading the whole cache `epochs` times."""
-    cache = cfg.open_cache(max_open_shards=open_readers)
+    cache = cfg.open_cache(**({"max_open_shards": open_readers} if open_readers else {}))
     loader = StreamingLoader.for_run(
         cache, cfg, drafter, device=torch.device("cpu"), loader_threads=2, prefetch_batches=4,
         on_corrupt="fail", epochs=epochs,
@@ -67,12 +66,12 @@ def epochs_fetched(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shards", type=int, default=48)
-    p.add_argument("--per-shard", type=int, default=160, help="samples a shard (spans are 64)")
-    p.add_argument("--open", type=int, default=8, help="shard readers kept open (the trainer: 64)")
-    p.add_argument("--fractions", default="0,0.25,0.5,1.2", help="shard cache bound / the cache's bytes")
+    p.add_argument("--shards", type=int, default=120)
+    p.add_argument("--per-shard", type=int, default=100, help="samples a shard (spans are 64)")
+    p.add_argument("--open", type=int, default=None, help="shard readers kept open (default: as training)")
+    p.add_argument("--fractions", default="0,0.25,0.5", help="shard cache bound / the cache's bytes")
     p.add_argument("--orders", default="spans,shards")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--codec", default="fp8")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
@@ -82,17 +81,18 @@ def main() -> None:
     try:
         bucket = server.bench_bucket()
         local = work / "cache"
-        write_cache(local, TINY, codec_name=args.codec, samples=args.shards * args.per_shard, min_len=64,
-                    max_len=128, per_shard=args.per_shard, device=torch.device("cpu"), threads=2)  # fmt: skip
+        write_cache(local, TINY, codec_name=args.codec, samples=args.shards * args.per_shard, min_len=32,
+                    max_len=64, per_shard=args.per_shard, device=torch.device("cpu"), threads=2)  # fmt: skip
         stored = sum(f.stat().st_size for f in (local / "shards").iterdir())
         upload_dir(server, bucket, "c", local)
         results["stored_bytes"] = stored
-        print(f"{args.shards} shards, {stored / 1e6:.1f} MB stored; {args.open} readers open", flush=True)
+        print(f"{args.shards} shards, {stored / 1e6:.1f} MB stored; readers open: {args.open or 'as training'}",
+              flush=True)  # fmt: skip
         print("order   bound/cache   epoch: fetched/cache (GETs, whole-shard downloads)", flush=True)
         for order in args.orders.split(","):
             for fraction in (float(f) for f in args.fractions.split(",")):
                 overrides: dict[str, Any] = dict(
-                    device="cpu", token_budget=1024, max_length=128, progress=False, tensorboard=False, plots=False,
+                    device="cpu", token_budget=1024, max_length=64, progress=False, tensorboard=False, plots=False,
                     mask_token_id=TINY["vocab_size"] - 1, eval_fraction=0.0, num_draft_layers=3, data_order=order,
                 )  # fmt: skip
                 if fraction:

@@ -27,6 +27,11 @@ from .trust import ReadLimits, check_manifest_for_reading, check_shard_identity,
 from .urls import is_url
 
 REMOTE_READ_FANOUT = 4
+# Readers kept open (a descriptor and a parsed index, ~100 B a sample, each). A training epoch's shuffle window
+# holds samples of many spans, so of many shards at once: with 64 open, an epoch opened each shard 4.8-14 times
+# on caches of 200-5000 shards; with 256, 1.0-1.75 (`bench/bench_reopens.py`). A reopen costs an index read and
+# its checks, on object storage three requests and a 1 MiB tail read.
+MAX_OPEN_SHARDS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +119,7 @@ class Cache:
         path: str | os.PathLike,
         require_complete: bool = True,
         *,
-        max_open_shards: int = 64,
+        max_open_shards: int = MAX_OPEN_SHARDS,
         unique_rows: bool = True,
         local_dir: str | os.PathLike | None = None,
         shard_cache_bytes: int = 0,

@@ -39,6 +39,26 @@ def temp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}-{threading.get_native_id()}")
 
 
+def left_by_dead_process(path: Path) -> bool:
+    """Whether `path` is a temp file (`temp_path`'s name) whose writing process is gone: safe to remove. One
+    that a live process is writing is not (several processes may write into one directory)."""
+    head, sep, owner = path.name.rpartition(".tmp-")
+    pid = owner.split("-", 1)[0]
+    if not (head.startswith(".") and sep and pid.isdigit()):
+        return False
+    return not process_alive(int(pid))
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def discard(path: Path) -> None:
     """Remove whatever is at `path` without following a link there: a link or a file is unlinked (never
     what a link points to), a directory is removed with its content."""

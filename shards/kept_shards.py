@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from .atomic import atomic_write
+from .atomic import atomic_write, left_by_dead_process, process_alive
 from .reader import LocalFile, RangeFile
 from .remote_cache import RemoteFile
 from .storage import Storage
@@ -119,13 +119,12 @@ class ShardFileCache:
                 pid, size, *_ = [*name[len(RESERVE) :].split("-", 2), "", ""]
                 if not (pid.isdigit() and size.isdigit()):
                     continue  # not one of ours
-                if _alive(int(pid)):
+                if process_alive(int(pid)):
                     entries.append((int(size), 0.0, None))
                 else:
                     p.unlink(missing_ok=True)
             elif name.startswith("."):  # a download's temp file: its reservation counts it while it runs
-                pid = name.rsplit(".tmp-", 1)[-1].split("-", 1)[0]
-                if pid.isdigit() and not _alive(int(pid)):
+                if left_by_dead_process(p):
                     p.unlink(missing_ok=True)
             else:
                 with contextlib.suppress(FileNotFoundError):  # trimmed by another process meanwhile
@@ -141,13 +140,3 @@ def _open_kept(path: Path, size: int) -> LocalFile | None:
             os.utime(path)  # its last use: a smaller bound later keeps the most recently used
             return file
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        return True
-    return True

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .atomic import atomic_write, atomic_write_bytes
+from .atomic import atomic_write, atomic_write_bytes, left_by_dead_process
 from .errors import ShardError
 from .manifest import MAX_MANIFEST_BYTES, load_manifest
 from .paths import MANIFEST_NAME, TARGET_DIR
@@ -84,6 +84,8 @@ def stage_remote(storage: Storage, local_dir: str | os.PathLike | None = None) -
         _download(storage, f"{TARGET_DIR}/{name}", path)
     if target.is_dir():  # files of an older copy the manifest no longer records would be refused as extra
         for extra in target.iterdir():
-            if extra.name not in names and extra.is_file():
+            # another process staging the same cache (a rank, a loader worker) writes under a temp name
+            in_flight = extra.name.startswith(".") and not left_by_dead_process(extra)
+            if extra.name not in names and extra.is_file() and not in_flight:
                 extra.unlink()
     return local

@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from .remote_cache import RemoteFile
 from .storage import Storage
 
 RESERVE = ".reserve-"
+RECHECK_SECONDS = 30.0  # a full directory is counted again this long after (each count lists the directory)
 
 
 class ShardFileCache:
@@ -39,6 +41,7 @@ class ShardFileCache:
         self.directory, self.max_bytes = directory, max_bytes
         self._lock = threading.Lock()  # this process's threads; `_dir_lock` is every process's
         self._downloading: dict[str, threading.Event] = {}
+        self._full_until = 0.0  # monotonic time before which the directory is taken as full
         self.hits = self.misses = self.remote = 0  # opened from disk / downloaded / read by ranges
         if directory.is_dir():
             with self._dir_lock():
@@ -58,8 +61,9 @@ class ShardFileCache:
                     return kept
                 downloading = self._downloading.get(name)
                 if downloading is None:
-                    reservation = self._reserve(name, size)
+                    reservation = self._reserve(name, size) if time.monotonic() >= self._full_until else None
                     if reservation is None:
+                        self._full_until = max(self._full_until, time.monotonic() + RECHECK_SECONDS)
                         self.remote += 1
                         return RemoteFile(storage, key)
                     self._downloading[name] = threading.Event()

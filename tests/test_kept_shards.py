@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 from common.synth import make_cache
 from dflash.shards import Cache
+from dflash.shards.cache import MAX_OPEN_SHARDS
 from dflash.shards.kept_shards import RESERVE, ShardFileCache
 from dflash.shards.reader import LocalFile
 from dflash.shards.remote_cache import RemoteFile
 from dflash.shards.storage import open_storage
 
-from tests.common.s3 import upload_dir
+from bench.bench_reopens import opens_per_shard
+from tests.common.s3 import uploaded
 
 ROWS = 12
 
@@ -34,9 +36,7 @@ def local_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def remote(s3, local_cache: Path) -> str:
-    bucket = s3.new_bucket()
-    upload_dir(s3, bucket, "c", local_cache)
-    return f"s3://{bucket}/c"
+    return uploaded(s3, local_cache)
 
 
 def _shard_sizes(local_cache: Path) -> dict[str, int]:
@@ -125,6 +125,7 @@ def test_a_smaller_bound_keeps_the_most_recently_used(remote: str, local_cache: 
 _READ_ALL = """
 import sys
 from dflash.shards import Cache
+from dflash.shards.cache import MAX_OPEN_SHARDS
 with Cache.open(sys.argv[1], local_dir=sys.argv[2], shard_cache_bytes=int(sys.argv[3]), max_open_shards=1) as c:
     for _ in range(2):
         for e in c.entries():
@@ -150,8 +151,5 @@ def test_processes_sharing_the_directory_keep_the_bound(
 def test_caches_keep_readers_open_for_an_epochs_shuffle_window() -> None:
     """The spans order's shuffle window holds samples of ~100 shards: with too few readers open, every shard is
     opened again many times an epoch (64 readers: 14 times on 200 shards of 475 rows)."""
-    from bench.bench_reopens import opens_per_shard
-    from dflash.shards.cache import MAX_OPEN_SHARDS
-
     assert opens_per_shard(475, 200, 64, "spans", 1024) > 10  # the measure tells the two apart
     assert opens_per_shard(475, 200, MAX_OPEN_SHARDS, "spans", 1024) < 1.1

@@ -12,7 +12,7 @@ from dflash.shards import Cache
 from dflash.shards.storage import open_storage
 from dflash.tools.shards_cli import main as shards_main
 
-from tests.common.s3 import upload_dir
+from tests.common.s3 import upload_dir, uploaded
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,7 @@ def local_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def remote_cache(s3, local_cache: Path) -> str:
-    bucket = s3.new_bucket()
-    upload_dir(s3, bucket, "caches/a", local_cache)
-    return f"s3://{bucket}/caches/a"
+    return uploaded(s3, local_cache, "caches/a")
 
 
 def _json(capsys: pytest.CaptureFixture[str], argv: list[str], rc: int = 0) -> dict:

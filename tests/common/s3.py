@@ -197,3 +197,10 @@ def upload_dir(server: S3Server, bucket: str, prefix: str, root: Path) -> None:
     for path in sorted(root.rglob("*")):
         if path.is_file():
             client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root).as_posix()}")
+
+
+def uploaded(server: S3Server, root: Path, prefix: str = "c") -> str:
+    """`root` copied into a new bucket: its URL (`s3://bucket/prefix`)."""
+    bucket = server.new_bucket()
+    upload_dir(server, bucket, prefix, root)
+    return f"s3://{bucket}/{prefix}"

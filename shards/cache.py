@@ -7,6 +7,7 @@ by range requests."""
 from __future__ import annotations
 
 import os
+import resource
 import stat
 import threading
 from collections import OrderedDict
@@ -32,6 +33,15 @@ REMOTE_READ_FANOUT = 4
 # on caches of 200-5000 shards; with 256, 1.0-1.75 (`bench/bench_reopens.py`). A reopen costs an index read and
 # its checks, on object storage three requests and a 1 MiB tail read.
 MAX_OPEN_SHARDS = 256
+
+
+def default_open_shards() -> int:
+    """`MAX_OPEN_SHARDS`, or a quarter of the process's descriptor limit where that is lower (a soft limit of 1024
+    is common): the rest stay for the run's other files, pipes and sockets."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN_SHARDS
+    return max(16, min(MAX_OPEN_SHARDS, soft // 4))
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,14 +129,15 @@ class Cache:
         path: str | os.PathLike,
         require_complete: bool = True,
         *,
-        max_open_shards: int = MAX_OPEN_SHARDS,
+        max_open_shards: int | None = None,
         unique_rows: bool = True,
         local_dir: str | os.PathLike | None = None,
         shard_cache_bytes: int = 0,
     ) -> Cache:
         """Complete caches list shards from the manifest (no directory scan, no footer read until used);
         `require_complete=False` lists the committed `shards/shard-*.dfs` instead (resume, verify).
-        At most `max_open_shards` readers (file descriptors + parsed indexes) stay cached.
+        At most `max_open_shards` readers (file descriptors + parsed indexes) stay cached (default:
+        `default_open_shards()`).
         `unique_rows` (readers that plan over the cache) refuses a row stored twice (`DuplicateRows`): here
         when the manifest already suggests one (`suspect_repeated_rows`), else when the shard holding the
         second copy is opened; `verify` and the inspecting commands pass False and report it themselves.
@@ -134,6 +145,8 @@ class Cache:
         one per URL under ~/.cache/dflash/remote) and shards are read by range requests, or, with
         `shard_cache_bytes`, downloaded whole into `local_dir`/shards and kept there up to that many bytes
         (`kept_shards.ShardFileCache`)."""
+        if max_open_shards is None:
+            max_open_shards = default_open_shards()
         storage = open_storage(path) if is_url(str(path)) else None
         if storage is not None:  # a remote cache's manifest and target/ are read from their local copy
             path = stage_remote(storage, local_dir) if storage.is_remote else storage.root

@@ -6,6 +6,7 @@ the most recently used."""
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from common.synth import make_cache
 from dflash.shards import Cache
-from dflash.shards.cache import MAX_OPEN_SHARDS
+from dflash.shards.cache import MAX_OPEN_SHARDS, default_open_shards
 from dflash.shards.kept_shards import RESERVE, ShardFileCache
 from dflash.shards.reader import LocalFile
 from dflash.shards.remote_cache import RemoteFile
@@ -125,7 +126,7 @@ def test_a_smaller_bound_keeps_the_most_recently_used(remote: str, local_cache: 
 _READ_ALL = """
 import sys
 from dflash.shards import Cache
-from dflash.shards.cache import MAX_OPEN_SHARDS
+from dflash.shards.cache import MAX_OPEN_SHARDS, default_open_shards
 with Cache.open(sys.argv[1], local_dir=sys.argv[2], shard_cache_bytes=int(sys.argv[3]), max_open_shards=1) as c:
     for _ in range(2):
         for e in c.entries():
@@ -153,3 +154,10 @@ def test_caches_keep_readers_open_for_an_epochs_shuffle_window() -> None:
     opened again many times an epoch (64 readers: 14 times on 200 shards of 475 rows)."""
     assert opens_per_shard(475, 200, 64, "spans", 1024) > 10  # the measure tells the two apart
     assert opens_per_shard(475, 200, MAX_OPEN_SHARDS, "spans", 1024) < 1.1
+
+
+def test_readers_kept_open_leave_most_descriptors_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+    assert default_open_shards() == MAX_OPEN_SHARDS == 256
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (256, 4096))
+    assert default_open_shards() == 64

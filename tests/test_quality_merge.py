@@ -217,6 +217,13 @@ def test_the_recorded_cpu_size_seeds_on_spans_give_benchmarks_numbers() -> None:
     )  # --slot-weights reach, seed 0
     (gap,) = codec_gaps(reach["runs"])
     assert (round(gap["per_seed"][0], 3), round(gap["per_seed_rows_se"][0], 3)) == (-0.001, 0.003)
+    # q4 beside them (2026-12-05, fifth session): -1.4% ± 0.5% and -0.8% ± 0.7%
+    with_q4 = quality_merge.read_report(REPORTS / "cpu-code-spans-q4-s0-s1.json")
+    fp8, q4 = codec_gaps(with_q4["runs"])
+    assert (fp8["codec"], q4["codec"]) == ("fp8", "q4")
+    assert [round(g, 3) for g in fp8["per_seed"]] == [-0.001, -0.005]
+    assert [round(g, 3) for g in q4["per_seed"]] == [-0.014, -0.008]
+    assert [round(se, 3) for se in q4["per_seed_rows_se"]] == [0.005, 0.007]
     with pytest.raises(SystemExit, match="another data order"):  # so the two orders never pair in a merge
         quality_merge.merge({spans_path: spans, REPORTS / "x.json": {**spans, "data_order": "shards"}})
 

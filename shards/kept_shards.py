@@ -7,7 +7,8 @@ hundreds): evicting the least recently used to make room downloaded a shard whol
 more bytes per epoch than the cache itself once the bound was below the cache's size. Keeping a fixed part
 fetches only the rest, once per epoch, by the bytes of its samples (`bench/bench_shard_cache.py`).
 
-The directory is shared by the processes of one node (loader workers, later runs): the bound holds for what
+The directory is shared by the processes of one node (loader workers, later runs; a node's own disk: a
+reservation names its process by pid): the bound holds for what
 they keep together, counted from the directory's content under an fcntl lock (`.shards.lock` beside it). A download first
 reserves its bytes there (`.reserve-<pid>-<bytes>-<name>`, removed once the shard is renamed in), so
 downloads in flight count; a reservation or a temp file whose process is gone is removed as stale. A smaller

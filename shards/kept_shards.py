@@ -8,12 +8,12 @@ more bytes per epoch than the cache itself once the bound was below the cache's 
 fetches only the rest, once per epoch, by the bytes of its samples (`bench/bench_shard_cache.py`).
 
 The directory is shared by the processes of one node (loader workers, later runs; a node's own disk: a
-reservation names its process by pid): the bound holds for what
-they keep together, counted from the directory's content under an fcntl lock (`.shards.lock` beside it). A download first
-reserves its bytes there (`.reserve-<pid>-<bytes>-<name>`, removed once the shard is renamed in), so
-downloads in flight count; a reservation or a temp file whose process is gone is removed as stale. A smaller
-bound than a previous run's keeps the most recently used shards that fit it. What is read from here is
-checked as what is read remotely: the index checksum at open, the manifest's identity, every frame's checksum.
+reservation names its process by pid): the bound holds for what they keep together, counted from the directory's
+content under an fcntl lock (`.shards.lock` beside it). A download first reserves its bytes there
+(`.reserve-<pid>-<bytes>-<name>`, removed once the shard is renamed in), so downloads in flight count; a
+reservation or a temp file whose process is gone is removed as stale. A smaller bound than a previous run's
+keeps the most recently used shards that fit it. What is read from here is checked as what is read remotely: the
+index checksum at open, the manifest's identity, every frame's checksum.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ def left_by_dead_process(path: Path) -> bool:
 
 
 def process_alive(pid: int) -> bool:
+    """Whether a process of this host has `pid` (another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

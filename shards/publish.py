@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .atomic import process_alive
 from .errors import ShardError
 from .manifest import load_manifest
 from .outdir import MARK_NAME
@@ -56,16 +57,6 @@ _HELD: set[float] = set()  # `started` of the locks this process holds now
 
 class PrefixLocked(ShardError):
     """Another writer holds the prefix's lock object."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RemoteLock:
@@ -98,7 +89,7 @@ class RemoteLock:
             return f"not renewed for over {LEASE_TTL_S:.0f} s"
         pid = holder.get("pid")
         if holder.get("host") == self.info["host"] and isinstance(pid, int):
-            if not _alive(pid):
+            if not process_alive(pid):
                 return f"pid {pid} on this host no longer runs"
             if pid == os.getpid() and holder.get("started") not in _HELD:  # an earlier run of this process
                 return "run in this process ended without releasing it"

@@ -221,9 +221,8 @@ class RemoteStorage(Storage):
             retrying(lambda: self._reads.get_file(key, local), self.where(key))
         else:
             retrying(lambda: self.fs.get_file(self._key(key), str(local)), self.where(key))
-        count_request(
-            "get", local.stat().st_size
-        )  # the bytes too: a whole shard, where a range read is a sample
+        # its bytes too: a whole shard, where a range read is one sample's
+        count_request("get", local.stat().st_size)
 
     def put(self, key: str, data: bytes) -> None:
         count_request("put", len(data))

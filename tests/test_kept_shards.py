@@ -126,7 +126,6 @@ def test_a_smaller_bound_keeps_the_most_recently_used(remote: str, local_cache: 
 _READ_ALL = """
 import sys
 from dflash.shards import Cache
-from dflash.shards.cache import MAX_OPEN_SHARDS, default_open_shards
 with Cache.open(sys.argv[1], local_dir=sys.argv[2], shard_cache_bytes=int(sys.argv[3]), max_open_shards=1) as c:
     for _ in range(2):
         for e in c.entries():
@@ -161,3 +160,23 @@ def test_readers_kept_open_leave_most_descriptors_free(monkeypatch: pytest.Monke
     assert default_open_shards() == MAX_OPEN_SHARDS == 256
     monkeypatch.setattr(resource, "getrlimit", lambda _: (256, 4096))
     assert default_open_shards() == 64
+
+
+def test_a_reader_killed_at_any_moment_leaves_only_whole_shards(
+    remote: str, local_cache: Path, tmp_path: Path
+) -> None:
+    sizes = _shard_sizes(local_cache)
+    bound = sum(sorted(sizes.values())[:3]) + 1
+    argv = [sys.executable, "-c", _READ_ALL, remote, str(tmp_path / "l"), str(bound)]
+    for delay in (0.3, 0.6, 0.9, 1.2, 1.5):  # start-up, staging, downloads, range reads
+        proc = subprocess.Popen(argv)
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    # A later reader removes what the killed ones left (temp files, reservations) and keeps the bound.
+    assert subprocess.run(argv, timeout=120).returncode == 0
+    kept = _kept(tmp_path / "l" / "shards")
+    assert kept and sum(kept.values()) <= bound
+    assert all(sizes[name] == size for name, size in kept.items())  # only whole shards, under their names

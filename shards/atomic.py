@@ -8,10 +8,13 @@ content or the new one, never a torn mix. A directory is built the same way and 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
+import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,20 +36,51 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+# A file another host's process is writing (a home directory on NFS that every node stages into) cannot be
+# checked by pid: it counts as abandoned once it has not changed for this long. A download in flight writes
+# continuously; a reservation lives as long as its download.
+FOREIGN_STALE_S = 3600.0
+
+
+def host_tag() -> str:
+    """This host, as 8 hex digits: names of files in flight carry it beside the pid, so that processes of
+    other hosts sharing a directory neither write one temp file nor take each other's for abandoned."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def owner() -> str:
+    """`PID-HOST` of this process, the owner part of an in-flight file's name (`owner_gone` reads it)."""
+    return f"{os.getpid()}-{host_tag()}"
+
+
+def owner_gone(pid: int, host: str | None, path: Path) -> bool:
+    """Whether the writer of in-flight file `path` (pid `pid` of host tag `host`; None: a name from before
+    host tags, taken as this host's) is gone: by pid on this host, by `path`'s age elsewhere."""
+    if host is None or host == host_tag():
+        return not process_alive(pid)
+    try:
+        return time.time() - path.lstat().st_mtime > FOREIGN_STALE_S
+    except FileNotFoundError:
+        return True
+
+
 def temp_path(final: Path) -> Path:
-    """The hidden temp name a write to `final` goes through (`.NAME.tmp-PID-THREAD`): two threads writing one
-    final name never share a temp file (the second would replace the first's as stale)."""
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{threading.get_native_id()}")
+    """The hidden temp name a write to `final` goes through (`.NAME.tmp-PID-HOST-THREAD`): two threads, or
+    two hosts' processes of one pid, writing one final name never share a temp file (the second would replace
+    the first's as stale)."""
+    return final.with_name(f".{final.name}.tmp-{owner()}-{threading.get_native_id()}")
 
 
 def left_by_dead_process(path: Path) -> bool:
     """Whether `path` is a temp file (`temp_path`'s name) whose writing process is gone: safe to remove. One
-    that a live process is writing is not (several processes may write into one directory)."""
-    head, sep, owner = path.name.rpartition(".tmp-")
-    pid = owner.split("-", 1)[0]
-    if not (head.startswith(".") and sep and pid.isdigit()):
+    that a live process is writing is not (several processes, of one host or several, may write into one
+    directory)."""
+    head, sep, owner_part = path.name.rpartition(".tmp-")
+    fields = owner_part.split("-")
+    if not (head.startswith(".") and sep and fields[0].isdigit()):
         return False
-    return not process_alive(int(pid))
+    host = fields[1] if len(fields) == 3 else None  # PID-HOST-THREAD; before host tags PID or PID-THREAD
+    return owner_gone(int(fields[0]), host, path)
 
 
 def process_alive(pid: int) -> bool:

@@ -7,11 +7,12 @@ hundreds): evicting the least recently used to make room downloaded a shard whol
 more bytes per epoch than the cache itself once the bound was below the cache's size. Keeping a fixed part
 fetches only the rest, once per epoch, by the bytes of its samples (`bench/bench_shard_cache.py`).
 
-The directory is shared by the processes of one node (loader workers, later runs; a node's own disk: a
-reservation names its process by pid): the bound holds for what they keep together, counted from the directory's
-content under an fcntl lock (`.shards.lock` beside it). A download first reserves its bytes there
-(`.reserve-<pid>-<bytes>-<name>`, removed once the shard is renamed in), so downloads in flight count; a
-reservation or a temp file whose process is gone is removed as stale. A smaller bound than a previous run's
+The directory is shared by the processes that use it (loader workers, later runs, and every node's where it
+lies on a shared filesystem, as a home directory on NFS may): the bound holds for what they keep together,
+counted from the directory's content under an fcntl lock (`.shards.lock` beside it). A download first reserves
+its bytes there (`.reserve-<pid>-<host>-<bytes>-<name>`, removed once the shard is renamed in), so downloads in
+flight count; a reservation or a temp file whose process is gone is removed as stale (this host's by pid,
+another host's once untouched for an hour: `atomic.owner_gone`). A smaller bound than a previous run's
 keeps the most recently used shards that fit it. What is read from here is checked as what is read remotely: the
 index checksum at open, the manifest's identity, every frame's checksum.
 """
@@ -26,12 +27,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .atomic import atomic_write, left_by_dead_process, process_alive
+from .atomic import atomic_write, left_by_dead_process, owner, owner_gone
 from .reader import LocalFile, RangeFile
 from .remote_cache import RemoteFile
 from .storage import Storage
 
 RESERVE = ".reserve-"
+
+
+def reservation_name(owner: str, size: int, name: str) -> str:
+    """`.reserve-PID-HOST-BYTES-NAME`: `size` bytes of the directory held for shard `name` by `owner`
+    (`atomic.owner`) while it downloads."""
+    return f"{RESERVE}{owner}-{size}-{name}"
+
+
 RECHECK_SECONDS = 30.0  # a full directory is counted again this long after (each count lists the directory)
 
 
@@ -87,7 +96,7 @@ class ShardFileCache:
         with self._dir_lock():
             if self._used() + size > self.max_bytes:
                 return None
-            reservation = self.directory / f"{RESERVE}{os.getpid()}-{size}-{name}"
+            reservation = self.directory / reservation_name(owner(), size, name)
             reservation.touch()
             return reservation
 
@@ -121,13 +130,13 @@ class ShardFileCache:
         for p in self.directory.iterdir():
             name = p.name
             if name.startswith(RESERVE):
-                pid, size, *_ = [*name[len(RESERVE) :].split("-", 2), "", ""]
+                pid, host, size, *_ = [*name[len(RESERVE) :].split("-", 3), "", "", ""]
                 if not (pid.isdigit() and size.isdigit()):
                     continue  # not one of ours
-                if process_alive(int(pid)):
-                    entries.append((int(size), 0.0, None))
-                else:
+                if owner_gone(int(pid), host, p):
                     p.unlink(missing_ok=True)
+                else:
+                    entries.append((int(size), 0.0, None))
             elif name.startswith("."):  # a download's temp file: its reservation counts it while it runs
                 if left_by_dead_process(p):
                     p.unlink(missing_ok=True)

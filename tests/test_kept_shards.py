@@ -10,14 +10,16 @@ import resource
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from common.synth import make_cache
 from dflash.shards import Cache
+from dflash.shards.atomic import FOREIGN_STALE_S, host_tag, left_by_dead_process, temp_path
 from dflash.shards.cache import MAX_OPEN_SHARDS, default_open_shards
-from dflash.shards.kept_shards import RESERVE, ShardFileCache
+from dflash.shards.kept_shards import ShardFileCache, reservation_name
 from dflash.shards.reader import LocalFile
 from dflash.shards.remote_cache import RemoteFile
 from dflash.shards.storage import open_storage
@@ -85,6 +87,19 @@ def test_threads_opening_one_shard_download_it_once(remote: str, local_cache: Pa
     assert _kept(tmp_path / "shards") == {name: size}  # no temp file or reservation left
 
 
+def _dead_pid() -> int:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    return int(gone.stdout)
+
+
+def _age(path: Path, seconds: float) -> Path:
+    old = time.time() - seconds
+    os.utime(path, (old, old))
+    return path
+
+
 def test_other_processes_reservations_count_and_stale_ones_go(
     remote: str, local_cache: Path, tmp_path: Path
 ) -> None:
@@ -92,22 +107,50 @@ def test_other_processes_reservations_count_and_stale_ones_go(
     name, size = sorted(_shard_sizes(local_cache).items())[0]
     directory = tmp_path / "shards"
     directory.mkdir()
-    live = directory / f"{RESERVE}{os.getppid()}-{size}-shard-999999.dfs"  # a download in flight elsewhere
-    live.touch()
-    kept = ShardFileCache(directory, size + size // 2)
-    assert isinstance(kept.open(storage, f"shards/{name}", name, size), RemoteFile)
-    live.unlink()
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
-    stale = directory / f"{RESERVE}{int(gone.stdout)}-{size}-shard-999999.dfs"  # its process was killed
-    stale.touch()
-    (directory / f".{name}.tmp-{int(gone.stdout)}-7").write_bytes(b"partial")
+    other_host = "0badc0de"  # the directory on a filesystem other nodes share: their pids mean nothing here
+    in_flight = [
+        reservation_name(f"{os.getppid()}-{host_tag()}", size, "shard-999999.dfs"),  # this host, alive
+        reservation_name(f"{_dead_pid()}-{other_host}", size, "shard-999998.dfs"),  # another host's, recent
+    ]
+    for live in in_flight:
+        (directory / live).touch()
+        kept = ShardFileCache(directory, size + size // 2)
+        assert isinstance(kept.open(storage, f"shards/{name}", name, size), RemoteFile), live
+        (directory / live).unlink()
+    dead = _dead_pid()
+    (directory / reservation_name(f"{dead}-{host_tag()}", size, "shard-999999.dfs")).touch()  # process killed
+    abandoned = directory / reservation_name(f"{dead}-{other_host}", size, "shard-999998.dfs")
+    abandoned.touch()
+    _age(abandoned, FOREIGN_STALE_S + 60)  # another host's, untouched for over an hour
+    (directory / f".{name}.tmp-{dead}-{host_tag()}-7").write_bytes(b"partial")
     # a full directory is counted again only RECHECK_SECONDS later: another process (or a later run) now
     again = ShardFileCache(directory, size + size // 2)
     assert isinstance(kept.open(storage, f"shards/{name}", name, size), RemoteFile)
     assert isinstance(again.open(storage, f"shards/{name}", name, size), LocalFile)
     assert _kept(directory) == {name: size}
+
+
+def test_files_in_flight_are_named_by_host_and_abandoned_ones_told_apart(tmp_path: Path) -> None:
+    """A shared home directory (NFS) holds other nodes' downloads: a pid names a process of its own host only,
+    so another host's file counts as abandoned by its age, and two hosts' processes of one pid never write one
+    temp file."""
+    temp = temp_path(tmp_path / "shard-000001.dfs")
+    assert temp.name == f".shard-000001.dfs.tmp-{os.getpid()}-{host_tag()}-{threading.get_native_id()}"
+    dead, alive = _dead_pid(), os.getppid()
+    cases = {
+        f".a.tmp-{dead}-{host_tag()}-5": True,
+        f".b.tmp-{alive}-{host_tag()}-5": False,
+        f".c.tmp-{dead}-0badc0de-5": False,  # another host's, written a moment ago
+        f".d.tmp-{dead}": True,  # before host tags (the extraction writer's name still)
+        f".e.tmp-{dead}-5": True,
+        f".f.tmp-{alive}-5": False,
+        ".g.tmp-x": False,  # not a temp name of ours
+        f"h.tmp-{dead}": False,
+    }
+    for name, gone in cases.items():
+        (tmp_path / name).touch()
+        assert left_by_dead_process(tmp_path / name) is gone, name
+    assert left_by_dead_process(_age(tmp_path / f".c.tmp-{dead}-0badc0de-5", FOREIGN_STALE_S + 60))
 
 
 def test_a_smaller_bound_keeps_the_most_recently_used(remote: str, local_cache: Path, tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ REMOTE_READ_FANOUT = 4
 # Readers kept open (a descriptor and a parsed index, ~100 B a sample, each). A training epoch's shuffle window
 # holds samples of many spans, so of many shards at once: with 64 open, an epoch opened each shard 4.8-14 times
 # on caches of 200-5000 shards; with 256, 1.0-1.75 (`bench/bench_reopens.py`). A reopen costs an index read and
-# its checks, on object storage three requests and a 1 MiB tail read.
+# its checks, on object storage two requests (the magic; footer and index in a 1 MiB tail read).
 MAX_OPEN_SHARDS = 256
 
 
@@ -254,11 +254,12 @@ class Cache:
         if self.storage is None:
             return ShardReader.open(self.path / SHARDS_DIR / name, self.limits)
         key = f"{SHARDS_DIR}/{name}"
+        listed = self._listed.get(name)
+        size = listed.bytes if listed else None  # a complete cache's manifest lists it: no HEAD per open
         if self._shard_cache is None:
-            file = RemoteFile(self.storage, key)
+            file = RemoteFile(self.storage, key, size)
         else:
-            listed = self._listed.get(name)
-            file = self._shard_cache.open(self.storage, key, name, listed.bytes if listed else None)
+            file = self._shard_cache.open(self.storage, key, name, size)
         return ShardReader.open_file(file, self.storage.where(key), self.limits, name)
 
     def shard_file_problems(self) -> dict[str, str]:

@@ -61,7 +61,7 @@ class ShardFileCache:
         """A local copy of shard `name` (`size` bytes, as the manifest lists it) when kept or when there is room
         to keep it; else the remote object, read by ranges."""
         if size is None or size > self.max_bytes:
-            return RemoteFile(storage, key)
+            return RemoteFile(storage, key, size)
         path = self.directory / name
         while True:
             with self._lock:
@@ -75,7 +75,7 @@ class ShardFileCache:
                     if reservation is None:
                         self._full_until = max(self._full_until, time.monotonic() + RECHECK_SECONDS)
                         self.remote += 1
-                        return RemoteFile(storage, key)
+                        return RemoteFile(storage, key, size)
                     self._downloading[name] = threading.Event()
                     break
             downloading.wait()  # another thread of this process fetches it: one download, then read it here
@@ -89,7 +89,7 @@ class ShardFileCache:
         try:
             return LocalFile(path)
         except FileNotFoundError:  # another run's smaller bound trimmed it meanwhile: ranges this time
-            return RemoteFile(storage, key)
+            return RemoteFile(storage, key, size)
 
     def _reserve(self, name: str, size: int) -> Path | None:
         self.directory.mkdir(parents=True, exist_ok=True)

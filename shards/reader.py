@@ -137,11 +137,13 @@ class ShardReader:
             size = file.size
             if size < len(MAGIC) + FOOTER.size:
                 raise ShardError(f"{path}: {size} bytes is too small for a shard: truncated")
-            if bytes(file.pread(len(MAGIC), 0)) != MAGIC:
-                raise ShardError(f"{path}: bad magic: not a dflash shard")
-            # A remote file reads footer and index in one request (`tail_hint`); a local one reads the footer.
-            tail_start = size - max(FOOTER.size, min(size - len(MAGIC), getattr(file, "tail_hint", 0)))
+            # A remote file reads footer and index in one request (`tail_hint`), a small one whole with its magic;
+            # a local one reads the footer.
+            tail_start = size - max(FOOTER.size, min(size, getattr(file, "tail_hint", 0)))
             tail = file.pread(size - tail_start, tail_start)
+            head = tail[: len(MAGIC)] if tail_start == 0 else file.pread(len(MAGIC), 0)
+            if bytes(head) != MAGIC:
+                raise ShardError(f"{path}: bad magic: not a dflash shard")
             offset, length, digest = parse_footer(tail[-FOOTER.size :], size, str(path))
             if offset >= tail_start:  # length <= file size: checked by the footer
                 raw = bytes(tail[offset - tail_start : offset - tail_start + length])

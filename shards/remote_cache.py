@@ -29,11 +29,14 @@ class RemoteFile:
     tail_hint = 1 << 20  # the shard's footer and index come in one request (an index is ~100 B per sample)
     coalesce = True  # a sample's wanted frames in one request (the layers between them ride along)
 
-    def __init__(self, storage: Storage, key: str):
+    def __init__(self, storage: Storage, key: str, size: int | None = None):
+        """`size`: the object's, where the manifest lists it (saves a HEAD per open: a shard replaced by one of
+        another size then fails its footer or a short read, as a truncated shard does)."""
         self.storage, self.key = storage, key
-        size = storage.size(key)
         if size is None:
-            raise FileNotFoundError(f"{storage.where(key)}: not found")
+            size = storage.size(key)
+            if size is None:
+                raise FileNotFoundError(f"{storage.where(key)}: not found")
         self.size = size
 
     def pread(self, size: int, offset: int) -> bytes:

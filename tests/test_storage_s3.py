@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from common.synth import make_cache
 from dflash.shards import Cache
+from dflash.shards.errors import ShardError
+from dflash.shards.retries import request_counts
 from dflash.shards.storage import open_storage
 from dflash.tools.shards_cli import main as shards_main
 
@@ -253,3 +255,34 @@ def test_loader_workers_range_reads_count_in_the_training_process(s3, tmp_path: 
         batches = list(ProcessLoader(cache, spec).iterate())
         samples = sum(len(b.rows) for b, _ in batches)
         assert samples == 30 and request_counts().get("get", 0) - before >= samples  # a range GET per sample
+
+
+def test_opening_a_listed_shard_is_one_request_and_a_replaced_one_fails_in_one_line(
+    s3, remote_cache: str, tmp_path: Path
+) -> None:
+    """A complete cache's manifest lists each shard's size: no HEAD per open, and a shard under 1 MiB comes in
+    one GET (magic, index, footer); an object replaced by a shorter one or another shard fails as a corrupt
+    shard."""
+    bucket, prefix = remote_cache[5:].split("/", 1)
+    client = s3.client()
+    with Cache.open(remote_cache, local_dir=tmp_path / "stage") as cache:
+        name = cache.shard_names[0]
+        size = cache._listed[name].bytes
+        before = request_counts()
+        cache.shard(name)
+        after = request_counts()
+        moved = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+        assert moved == {"get": 1, "get_bytes": size}
+        key = f"{prefix}/shards/{cache.shard_names[1]}"
+        data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        other = client.get_object(Bucket=bucket, Key=f"{prefix}/shards/{name}")["Body"].read()
+        assert len(other) != len(data)
+        for replaced in (data[:-100], other):  # shorter; another shard (bytes past its size are never read)
+            client.put_object(Bucket=bucket, Key=key, Body=replaced)
+            where = rf"^{remote_cache}/shards/{cache.shard_names[1]}: "
+            with (
+                pytest.raises(ShardError, match=where) as e,
+                Cache.open(remote_cache, local_dir=tmp_path / "stage") as again,
+            ):
+                again.shard(cache.shard_names[1])
+            assert "\n" not in str(e.value)

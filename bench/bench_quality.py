@@ -57,6 +57,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_pack import nested_work, pack, target_work, unpack, work_mismatch
 from bench.quality_phases import (
+    extraction_summary,
     phase_cache,
     phase_data,
     phase_run,
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "data_order": data_order(good),
         "run_with": software(args.device),
         "seconds": seconds,
+        "extractions": {c: extraction_summary(work, c) for c in extracted},
     }
     (work / args.runs_dir / "quality.json").write_text(json.dumps(report, indent=1) + "\n")
     if args.json:

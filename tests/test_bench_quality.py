@@ -36,6 +36,12 @@ def test_ci_size_runs_every_phase_and_reports_on_heldout_rows(tmp_path: Path, ca
     # Which stack built the target and ran the drafters: a build repeats its weights on one stack only.
     for stack in (report["target"]["built_with"], report["run_with"]):
         assert stack["torch"] == torch.__version__ and stack["transformers"] == transformers.__version__
+    # Each extraction's throughput and stage table, so a slow one says where its time went.
+    assert {r["run"].split("-")[1] for r in report["runs"]} <= set(report["extractions"])  # base-CODEC-f1-s0
+    for codec, summary in report["extractions"].items():
+        assert summary[0].startswith(f"cache {work / f'cache-{codec}'}: complete")
+        assert any(line.split()[:2] == ["forward", "(cpu)"] for line in summary)
+        assert any(line.startswith("write ") for line in summary)
     base = report["baselines"]
     b = size.drafter.block_size
     assert base["prompt_lookup"]["eval_samples"] == size.data.eval_rows

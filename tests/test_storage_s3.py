@@ -286,3 +286,17 @@ def test_opening_a_listed_shard_is_one_request_and_a_replaced_one_fails_in_one_l
             ):
                 again.shard(cache.shard_names[1])
             assert "\n" not in str(e.value)
+
+
+def test_a_listed_shard_deleted_from_the_bucket_is_one_line_naming_it(
+    s3, remote_cache: str, tmp_path: Path
+) -> None:
+    """With its size from the manifest, a shard's first request is a range read: a missing object still says so
+    in one line naming its URL, as the HEAD did."""
+    bucket, prefix = remote_cache[5:].split("/", 1)
+    with Cache.open(remote_cache, local_dir=tmp_path / "stage") as cache:
+        name = cache.shard_names[0]
+        s3.client().delete_object(Bucket=bucket, Key=f"{prefix}/shards/{name}")
+        with pytest.raises(FileNotFoundError, match=rf"^{remote_cache}/shards/{name}") as e:
+            cache.shard(name)
+        assert "\n" not in str(e.value)

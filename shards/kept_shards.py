@@ -35,10 +35,10 @@ from .storage import Storage
 RESERVE = ".reserve-"
 
 
-def reservation_name(owner: str, size: int, name: str) -> str:
-    """`.reserve-PID-HOST-BYTES-NAME`: `size` bytes of the directory held for shard `name` by `owner`
-    (`atomic.owner`) while it downloads."""
-    return f"{RESERVE}{owner}-{size}-{name}"
+def reservation_name(holder: str, size: int, name: str) -> str:
+    """`.reserve-PID-HOST-BYTES-NAME`: `size` bytes of the directory held for shard `name` by `holder`
+    (`atomic.owner()`'s PID-HOST) while it downloads."""
+    return f"{RESERVE}{holder}-{size}-{name}"
 
 
 RECHECK_SECONDS = 30.0  # a full directory is counted again this long after (each count lists the directory)

@@ -173,11 +173,12 @@ def phase_cache(work: Path, codec: str, device: str, token_budget: int) -> Path:
 
 def extraction_summary(work: Path, codec: str) -> list[str]:
     """The end of a codec's `dflash-extract` log: its throughput and each stage's busy and waiting time (kept in
-    the report, so that a device call's report tells where a slow extraction spent its time)."""
+    the report, so that a device call's report tells where a slow extraction spent its time), the work folder
+    written `W` (a report is committed: no machine's paths in it)."""
     log = work / f"cache-{codec}.log"
     if not log.is_file():
         return []
-    lines = log.read_text(errors="replace").splitlines()
+    lines = log.read_text(errors="replace").replace(str(work), "W").splitlines()
     done = [i for i, line in enumerate(lines) if line.startswith("cache ") and ": complete" in line]
     return lines[done[-1] :][:20] if done else lines[-12:]
 

@@ -21,7 +21,8 @@ DESIGN.md; target >= 3x).
 The quantize section times the extractor's side on --device: `codec.quantize_batch(packed, lengths)` on
 one forward batch ([5, 16384, 4096] bf16, rows of ~600 tokens), ms per batch and GB/s of bf16 in; for fp8
 also the code before issue 14 (`fp8:before`) beside the current one, and whether their q and scale bytes
-are equal.
+are equal; `ops`, the tensor operations one batch dispatches (about its kernel launches on a GPU: each hands
+the GIL to the extractor's other threads, so on a small target their count, not their bytes, sets the cost).
 
 Targets (issues 2, 14): lossless >= 1.38x, encode >= 0.5, decode >= 1.0 GB/s/core; fp8 >= 2.2x with
 relative error <= 3%; q4 <= 10 KB/token for 5 x 4096 (ratio >= 4.1).
@@ -39,6 +40,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common.fp8_reference import reference_quantize_fp8
@@ -65,6 +67,28 @@ def _best_time(fn: Callable[[], object], repeat: int) -> float:
         fn()
         best = min(best, time.thread_time() - t0)
     return best
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the tensor operations a call dispatches, views left out: on a GPU, about its kernel launches,
+    each of which releases the GIL and may wait to retake it beside the extractor's encode threads."""
+
+    VIEWS = frozenset(("view", "_unsafe_view", "slice", "select", "as_strided", "unsqueeze", "expand", "alias",
+                       "detach", "t", "reshape", "split", "unbind"))  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += func.overloadpacket.__name__ not in self.VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched_ops(fn: Callable[[], object]) -> int:
+    with _OpCounter() as counter:
+        fn()
+    return counter.ops
 
 
 def _threaded(fn: Callable[[int], object], n_items: int, threads: int) -> float:
@@ -237,7 +261,7 @@ def device_quantize(args: argparse.Namespace) -> list[dict]:
             out["identical"] = out["differing_bytes"] == 0
         del parts
         sec = _time_on(device, fn, repeat)
-        return {**out, "ms": sec * 1e3, "gbs": gb / sec}
+        return {**out, "ms": sec * 1e3, "gbs": gb / sec, "ops": dispatched_ops(fn)}
 
     def batch(name: str) -> Callable[[], tuple[torch.Tensor, ...]]:
         codec = get_codec(name)
@@ -296,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         f"extractor-side quantize_batch on {args.device} of one {quantize[0]['shape']} bf16 batch"
         f" (section: {time.perf_counter() - t0:.0f} s):"
     )
-    print(f"  {'codec':<14}{'ms/batch':>10}{'GB/s in':>10}{'first s':>9}  bytes = fp8:before")
+    print(f"  {'codec':<14}{'ms/batch':>10}{'GB/s in':>10}{'first s':>9}{'ops':>6}  bytes = fp8:before")
     for r in quantize:
         if "error" in r:
             print(f"  {r['codec']:<14}  failed: {r['error']}")
@@ -304,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         same = {True: "yes", False: f"NO: {r.get('differing_bytes')} bytes differ"}.get(
             r.get("identical"), ""
         )
-        print(f"  {r['codec']:<14}{r['ms']:>10.2f}{r['gbs']:>10.1f}{r['first_s']:>9.2f}  {same}")
+        print(f"  {r['codec']:<14}{r['ms']:>10.2f}{r['gbs']:>10.1f}{r['first_s']:>9.2f}{r['ops']:>6}  {same}")
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -36,16 +36,18 @@ from .fp8 import Fp8Block
 
 GROUP = 32  # channels per group scale
 # Elements per step. On a CPU, the best measured on one core (larger fresh temporaries cost more in page
-# faults than the math). On a GPU each step is ~25 kernel launches: at the CPU's sizes a Qwen3-8B batch of
-# q4 took ~8,000 launches per layer set and extraction ran at 0.61x the bare forward (BENCHMARKS.md), so
-# steps there are 16M elements (a 64 MiB float32 temporary, as fp8's).
+# faults than the math). On a GPU each step is ~30 kernel launches, and each launch hands the GIL to the
+# extractor's encode threads and may wait to get it back: at the CPU's sizes a Qwen3-8B batch of q4 took
+# ~8,000 launches per layer set and extraction ran at 0.61x the bare forward, and at 16M elements a step
+# the quality bench's small target still spent 4x fp8's GPU time in its forward stage (BENCHMARKS.md). So a
+# GPU's steps are 64x the CPU's: quantizing, 64M elements (two 256 MiB float32 temporaries); decoding, 16M.
 _QUANT_CHUNK = 1 << 20
 _DEQUANT_CHUNK = 1 << 18
-_GPU_CHUNK = 1 << 24
+_GPU_STEP_SCALE = 64
 
 
 def _chunk(cpu_elements: int, device: torch.device) -> int:
-    return cpu_elements if device.type == "cpu" else max(cpu_elements, _GPU_CHUNK)
+    return cpu_elements if device.type == "cpu" else cpu_elements * _GPU_STEP_SCALE
 
 
 def _ratio_table() -> torch.Tensor:
@@ -58,13 +60,13 @@ def _ratio_table() -> torch.Tensor:
 
 
 RATIO = _ratio_table()
-_ratio_on: dict[torch.device, torch.Tensor] = {}
+_ratio_on: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
 
-def _ratio_table_on(device: torch.device) -> torch.Tensor:
-    if device not in _ratio_on:
-        _ratio_on[device] = RATIO.to(device)
-    return _ratio_on[device]
+def _ratio_table_on(device: torch.device, ascending: bool = False) -> torch.Tensor:
+    if (device, ascending) not in _ratio_on:
+        _ratio_on[device, ascending] = (RATIO.flip(0) if ascending else RATIO).contiguous().to(device)
+    return _ratio_on[device, ascending]
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:
@@ -106,16 +108,16 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _stat_tokens(lengths: Sequence[int] | None, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(token index, row id) of up to _STAT_TOKENS evenly spaced tokens of each row."""
-    lengths = [n] if lengths is None else [int(x) for x in lengths]
-    idx, row = [], []
-    start = 0
-    for r, length in enumerate(lengths):
-        picked = np.arange(start, start + length, max(1, -(-length // _STAT_TOKENS)), dtype=np.int64)
-        idx.append(picked)
-        row.append(np.full(picked.size, r, dtype=np.int64))
-        start += length
-    return np.concatenate(idx), np.concatenate(row)
+    """(token index, row id) of up to _STAT_TOKENS evenly spaced tokens of each row (every ceil(len / 512)th
+    from the row's first); whole-array numpy, as a batch may hold thousands of rows (rows x layers on a GPU)."""
+    size = np.asarray([n] if lengths is None else lengths, dtype=np.int64)
+    stride = np.maximum(1, -(-size // _STAT_TOKENS))
+    count = -(-size // stride)  # 0 for an empty row
+    row = np.repeat(np.arange(size.size, dtype=np.int64), count)
+    first = np.cumsum(count) - count  # each row's first pick among all picks
+    at = np.arange(row.size, dtype=np.int64) - first[row]
+    idx = (np.cumsum(size) - size)[row] + at * stride[row]
+    return idx, row
 
 
 def channel_scale_codes(x: torch.Tensor, lengths: Sequence[int] | None = None) -> torch.Tensor:
@@ -143,11 +145,17 @@ def channel_scale_codes(x: torch.Tensor, lengths: Sequence[int] | None = None) -
     return (octave * 8 + f).clamp_(-128, 127).to(torch.int8)
 
 
-def _ratio_codes(rho: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+def _ratio_codes(rho: torch.Tensor, ratio: torch.Tensor, search: bool | None = None) -> torch.Tensor:
     """The largest u with ratio(u) >= rho (255 if none), for rho in [0, 1]: no value needs a code beyond L.
 
-    Estimated from log2, then moved by one where rounding put it on the wrong side (a table search is
-    ~70 ns per element on a CPU)."""
+    On a GPU (or `search`), a binary search of the table: two kernels. On a CPU, where a table search costs
+    ~70 ns per element, estimated from log2, then moved by one where rounding put it on the wrong side
+    (~25 passes, each cheap there). Both give the same codes (tests)."""
+    if search if search is not None else rho.device.type != "cpu":
+        ascending = _ratio_table_on(rho.device, ascending=True)
+        return 255 - torch.searchsorted(
+            ascending, rho.contiguous()
+        )  # the first ratio >= rho, counted from the top
     octave = torch.log2(rho).neg_().floor_().clamp_(0, 16)
     u = (octave * 16 + (32 - 32 * rho * torch.exp2(octave)).floor_().clamp_(0, 15)).clamp_(0, 255).long()
     u -= (ratio[u] < rho).long()
@@ -180,7 +188,7 @@ def quantize_q(
             codes,
             group_codes,
             token_scales,
-            torch.zeros((len(lengths or [n]), h), dtype=torch.int8, device=dev),
+            torch.zeros((1 if lengths is None else len(lengths), h), dtype=torch.int8, device=dev),
         )
     channel = channel_scale_codes(x, lengths)
     ratio = _ratio_table_on(dev)
@@ -211,6 +219,24 @@ def quantize_q(
         group_codes[r0:r1] = u
         token_scales[r0:r1] = scale
     return codes, group_codes, token_scales, channel
+
+
+def quantize_layers(
+    packed: torch.Tensor, levels: int, lengths: Sequence[int], together: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_q` of each layer of [K, N, H], stacked: codes [K, N, H], ratio codes [K, N, G], token
+    scales [K, N], channel scale codes [K, R, H].
+
+    `together` quantizes all layers in one call, layer k's row r as row k * R + r of the flattened batch
+    (statistics are per row, so the codes are the same): a GPU's launches then do not grow with the layers.
+    A CPU goes a layer at a time: there a whole batch's fresh temporaries cost more than the calls."""
+    k, n, h = packed.shape
+    if together:
+        codes, groups, scales, channel = quantize_q(packed.reshape(k * n, h), levels, list(lengths) * k)
+        return codes.view(k, n, h), groups.view(k, n, -1), scales.view(k, n), channel.view(k, len(lengths), h)
+    per_layer = [quantize_q(layer, levels, lengths) for layer in packed]
+    codes, groups, scales, channel = (torch.stack(parts) for parts in zip(*per_layer, strict=True))
+    return codes, groups, scales, channel
 
 
 def dequantize_q(
@@ -258,8 +284,7 @@ class QCodec(Codec):
     def quantize_batch(self, packed: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, ...]:
         """[K, N, H] layers of rows of `lengths` back to back -> codes, ratio codes, token scales [K, N, ...]
         and channel scale codes [K, R, H], on packed's device (the extractor calls this on the GPU)."""
-        per_layer = [quantize_q(layer, self.levels, lengths) for layer in packed]
-        return tuple(torch.stack(parts) for parts in zip(*per_layer, strict=True))
+        return quantize_layers(packed, self.levels, lengths, together=packed.device.type != "cpu")
 
     def batch_sample(
         self, parts: tuple[torch.Tensor, ...], lengths: Sequence[int], i: int, offset: int

@@ -9,12 +9,15 @@ from common.synth import llm_like_layers, relative_error
 from dflash.shards import CorruptFrame, codec_from_dict, get_codec
 from dflash.shards.codecs import zstd_compress
 from dflash.shards.qcodec import (
+    _STAT_TOKENS,
     GROUP,
     RATIO,
     QBlock,
     _ratio_codes,
+    _stat_tokens,
     channel_multipliers,
     dequantize_q,
+    quantize_layers,
     quantize_q,
 )
 from hypothesis import given, settings
@@ -99,12 +102,14 @@ def test_group_scales_are_tight(s: int, h: int, seed: int) -> None:
     assert bool((ratio[above] <= rho[above] * 17 / 16 * (1 + 1e-6)).all())
 
 
-def test_ratio_codes_agree_with_a_search_over_the_table() -> None:
+@pytest.mark.parametrize("search", [False, True])  # the CPU's estimate, the GPU's binary search
+def test_ratio_codes_agree_with_a_search_over_the_table(search: bool) -> None:
     rho = torch.cat(
         [RATIO, RATIO * (1 + 2**-20), RATIO * (1 - 2**-20), torch.rand(4000), torch.tensor([0.0, 1.0])]
     )
-    rho = rho.clamp(0, 1)
-    got = _ratio_codes(rho, RATIO)
+    rho = rho.clamp(0, 1).view(45, 106)  # the quantizer's [tokens, groups]
+    got = _ratio_codes(rho, RATIO, search=search).flatten()
+    rho = rho.flatten()
     want = (RATIO[None, :] >= rho[:, None]).sum(1) - 1  # RATIO decreases: the last u that is >= rho
     assert torch.equal(got, want)
     assert bool((RATIO[1:] < RATIO[:-1]).all()) and RATIO[0] == 1.0
@@ -122,19 +127,34 @@ def test_error_and_size_on_llm_like_states_at_a_realistic_width() -> None:
             assert relative_error(codec.decode(f, tuple(x.shape), "bfloat16"), x) <= max_err, name
 
 
-def test_batch_quantization_equals_per_row_encoding() -> None:
+@pytest.mark.parametrize("together", [False, True])  # a CPU's layer at a time, a GPU's one call
+def test_batch_quantization_equals_per_row_encoding(together: bool) -> None:
     """The extractor quantizes a whole batch (rows back to back) on the GPU; each row's frame must be the
-    frame the codec writes for that row alone (channel scales are per row)."""
+    frame the codec writes for that row alone (channel scales are per row, per layer)."""
     codec = get_codec("q4")
     lengths = [5, 700, 1, 33]
-    layers = torch.stack(llm_like_layers(sum(lengths), 70, 2, seed=3))
-    parts = codec.quantize_batch(layers, lengths)
+    layers = torch.stack(llm_like_layers(sum(lengths), 70, 3, seed=3))
+    layers[1] *= 40  # layers of other sizes must not share statistics
+    parts = quantize_layers(layers, codec.levels, lengths, together)
     offset = 0
     for i, n in enumerate(lengths):
         blocks = codec.batch_sample(parts, lengths, i, offset)
         for k, block in enumerate(blocks):
             assert codec.encode(block) == codec.encode(layers[k, offset : offset + n])
         offset += n
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 3000), min_size=1, max_size=12))
+def test_channel_statistics_read_evenly_spaced_tokens_of_each_row(lengths: list[int]) -> None:
+    """Row r's statistics read every ceil(len / 512)th of its own tokens from its first: at most 512."""
+    idx, row = _stat_tokens(lengths, sum(lengths))
+    start = 0
+    for r, n in enumerate(lengths):
+        want = np.arange(start, start + n, max(1, -(-n // _STAT_TOKENS)))
+        assert np.array_equal(idx[row == r], want) and want.size <= _STAT_TOKENS
+        start += n
+    assert idx.dtype == row.dtype == np.int64 and np.all(np.diff(row) >= 0)
 
 
 def test_channel_scales_follow_typical_size_not_massive_tokens() -> None:

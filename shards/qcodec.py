@@ -152,10 +152,10 @@ def _ratio_codes(rho: torch.Tensor, ratio: torch.Tensor, search: bool | None = N
     ~70 ns per element, estimated from log2, then moved by one where rounding put it on the wrong side
     (~25 passes, each cheap there). Both give the same codes (tests)."""
     if search if search is not None else rho.device.type != "cpu":
-        ascending = _ratio_table_on(rho.device, ascending=True)
-        return 255 - torch.searchsorted(
-            ascending, rho.contiguous()
+        ascending = _ratio_table_on(
+            rho.device, ascending=True
         )  # the first ratio >= rho, counted from the top
+        return 255 - torch.searchsorted(ascending, rho.contiguous())
     octave = torch.log2(rho).neg_().floor_().clamp_(0, 16)
     u = (octave * 16 + (32 - 32 * rho * torch.exp2(octave)).floor_().clamp_(0, 15)).clamp_(0, 255).long()
     u -= (ratio[u] < rho).long()
@@ -233,7 +233,12 @@ def quantize_layers(
     k, n, h = packed.shape
     if together:
         codes, groups, scales, channel = quantize_q(packed.reshape(k * n, h), levels, list(lengths) * k)
-        return codes.view(k, n, h), groups.view(k, n, -1), scales.view(k, n), channel.view(k, len(lengths), h)
+        return (
+            codes.view(k, n, h),
+            groups.view(k, n, groups.shape[1]),
+            scales.view(k, n),
+            channel.view(k, len(lengths), h),
+        )
     per_layer = [quantize_q(layer, levels, lengths) for layer in packed]
     codes, groups, scales, channel = (torch.stack(parts) for parts in zip(*per_layer, strict=True))
     return codes, groups, scales, channel

@@ -40,9 +40,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from common.dispatch import dispatched_ops
 from common.fp8_reference import reference_quantize_fp8
 from common.synth import llm_like_layers, relative_error
 from dflash.shards.codecs import Codec, LosslessCodec, get_codec, quantize_fp8
@@ -67,28 +67,6 @@ def _best_time(fn: Callable[[], object], repeat: int) -> float:
         fn()
         best = min(best, time.thread_time() - t0)
     return best
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts the tensor operations a call dispatches, views left out: on a GPU, about its kernel launches,
-    each of which releases the GIL and may wait to retake it beside the extractor's encode threads."""
-
-    VIEWS = frozenset(("view", "_unsafe_view", "slice", "select", "as_strided", "unsqueeze", "expand", "alias",
-                       "detach", "t", "reshape", "split", "unbind"))  # fmt: skip
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += func.overloadpacket.__name__ not in self.VIEWS
-        return func(*args, **(kwargs or {}))
-
-
-def dispatched_ops(fn: Callable[[], object]) -> int:
-    with _OpCounter() as counter:
-        fn()
-    return counter.ops
 
 
 def _threaded(fn: Callable[[int], object], n_items: int, threads: int) -> float:

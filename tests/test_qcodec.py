@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from common.dispatch import dispatched_ops
 from common.synth import llm_like_layers, relative_error
 from dflash.shards import CorruptFrame, codec_from_dict, get_codec
 from dflash.shards.codecs import zstd_compress
@@ -155,6 +156,20 @@ def test_channel_statistics_read_evenly_spaced_tokens_of_each_row(lengths: list[
         assert np.array_equal(idx[row == r], want) and want.size <= _STAT_TOKENS
         start += n
     assert idx.dtype == row.dtype == np.int64 and np.all(np.diff(row) >= 0)
+
+
+def test_a_gpus_launches_per_batch_do_not_grow_with_the_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU every operation is a kernel launch, each a GIL hand-off beside the encode threads: the
+    quantizer's launches for a batch of 6 layers are those of 1 (at 16M elements a step and a layer at a time,
+    the quality bench's q4 extraction spent 4x fp8's GPU time)."""
+    import dflash.shards.qcodec as qcodec
+
+    monkeypatch.setattr(qcodec, "_chunk", lambda cpu, device: 10**9)  # every batch below in one step
+    lengths = [300, 20, 280]
+    x = torch.stack(llm_like_layers(sum(lengths), 64, 6, seed=5))
+    one, six = (dispatched_ops(lambda k=k: quantize_layers(x[:k], 7, lengths, together=True)) for k in (1, 6))
+    assert one == six
+    assert dispatched_ops(lambda: quantize_layers(x, 7, lengths, together=False)) >= 5 * one  # a CPU's way
 
 
 def test_channel_scales_follow_typical_size_not_massive_tokens() -> None:

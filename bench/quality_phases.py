@@ -22,7 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_data import cut_prompts, greedy_continuations, read_corpus, write_rows
 from bench.quality_pack import TRITON_CACHE, target_done
 from bench.quality_prose import ASSISTANT, CHAT_TOKENS, cut_chat_prompts, read_prose_corpus
-from bench.quality_sizes import DEFAULTS_CURVE_EVERY, OLD_ORDER, Run, Size
+from bench.quality_sizes import (
+    CHECKPOINTS_PER_RUN,
+    DEFAULTS_CURVE_EVERY,
+    DEFAULTS_SAVE_EVERY,
+    OLD_ORDER,
+    Run,
+    Size,
+)
 from bench.quality_target import PAD, build_tokenizer, tokenize_files, train_target
 
 
@@ -51,9 +58,9 @@ def stop_children_on_signals() -> None:
         signal.signal(sig, stop)
 
 
-def _call(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> float:
+def _call(cmd: list[str], log: Path, env: dict[str, str] | None = None, append: bool = False) -> float:
     start = time.perf_counter()
-    with log.open("w") as f:
+    with log.open("a" if append else "w") as f:
         child = subprocess.Popen(
             cmd,
             stdout=f,
@@ -194,12 +201,14 @@ def run_flags(
     # Every run evaluates at its end too, so a call cut off before its `Scorer` turn still has each tau.
     if recipe.steps is None:  # its epochs set the length; dflash-train evaluates at its last step anyway
         eval_every = DEFAULTS_CURVE_EVERY if run.curve else 1 << 30
+        save_every = DEFAULTS_SAVE_EVERY
     else:
         eval_every = max(1, recipe.steps // recipe.eval_points) if run.curve else recipe.steps
+        save_every = max(1, recipe.steps // CHECKPOINTS_PER_RUN)
     return [
         "--cache", str(work / f"cache-{run.codec}"), "--out", str(run.dir), "--seed", str(run.seed),
         "--device", device, "--eval-rows", str(rows_file), "--eval-fraction", "0",
-        "--eval-samples", str(len(eval_rows)), "--eval-every", str(eval_every), "--save-every", "0",
+        "--eval-samples", str(len(eval_rows)), "--eval-every", str(eval_every), "--save-every", str(save_every),
         "--log-every", "50", "--no-tensorboard", "--no-plots", "--no-progress",
         *recipe.flags(), *extra, *run.flags,
     ]  # fmt: skip
@@ -224,27 +233,44 @@ def write_heldout_files(root: Path, meta: dict[str, Any], fractions: tuple[float
         heldout_file(root, fraction).write_text(json.dumps(heldout))
 
 
-def train_and_export(flags: list[str], run_dir: Path, name: str) -> float:
-    """`dflash-train FLAGS` (its `--out` is `run_dir`), then its export to RUN/final; logged in the runs folder
-    as NAME.log and NAME-export.log, the command line kept as NAME.cmd.json (so `bench/quality_resume.py` can
-    go on from the run as a user would). Returns the training's seconds."""
+def train_and_export(flags: list[str], run_dir: Path, name: str, resume: bool = False) -> float:
+    """`dflash-train FLAGS` (its `--out` is `run_dir`; with `--resume` when `resume`), then its export to
+    RUN/final; logged in the runs folder as NAME.log (a resumed attempt's appended) and NAME-export.log, FLAGS
+    kept as NAME.cmd.json (so a cut run, or `bench/quality_resume.py`, can go on from the run as a user
+    would). Returns the training's seconds (this attempt's)."""
     runs = run_dir.parent
     command_file(runs, name).write_text(json.dumps(flags) + "\n")
-    seconds = _call(_python("dflash.train.cli", *flags), runs / f"{name}.log")
+    command = [*flags, "--resume"] if resume else flags
+    seconds = _call(_python("dflash.train.cli", *command), runs / f"{name}.log", append=resume)
     _call(_python("dflash.train.cli", "export", str(run_dir), "--out", str(run_dir / "final")),
           runs / f"{name}-export.log")  # fmt: skip
     return seconds
 
 
+def cut_run_checkpoint(run: Run, flags: list[str]) -> Path | None:
+    """The last checkpoint of a run cut off earlier (a device call's limit) with these same flags, if any."""
+    from dflash.train.checkpoint import latest_checkpoint
+
+    cmd = command_file(run.dir.parent, run.name)
+    if not run.dir.is_dir() or not cmd.is_file() or json.loads(cmd.read_text()) != flags:
+        return None
+    return latest_checkpoint(run.dir)
+
+
 def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: str, extra: list[str]) -> Run:
     export = run.dir / "final"
     if not (export / "config.json").is_file():
-        if run.dir.exists():  # a run cut off earlier: start it again (runs are minutes)
+        flags = run_flags(run, work, size, meta, device, extra)
+        resume_at = cut_run_checkpoint(run, flags)
+        if resume_at is not None:  # goes on as `dflash-train` tells a user to: the same command, --resume
+            print(f"[run] {run.name} goes on from {resume_at.name}", flush=True)
+            run.result["resumed_from"] = resume_at.name
+        elif run.dir.exists():  # cut off before its first checkpoint, or another command's: start again
             import shutil
 
             shutil.rmtree(run.dir)
         run.dir.parent.mkdir(parents=True, exist_ok=True)
-        seconds = train_and_export(run_flags(run, work, size, meta, device, extra), run.dir, run.name)
+        seconds = train_and_export(flags, run.dir, run.name, resume=resume_at is not None)
         (run.dir / "bench_seconds.json").write_text(json.dumps({"train_seconds": round(seconds, 1)}))
     run.result["train_seconds"] = json.loads((run.dir / "bench_seconds.json").read_text())["train_seconds"]
     # the epoch order it trained on (dflash-train writes RUN/config.json; runs from before spans have none)

@@ -199,6 +199,10 @@ SIZES["full"] = replace(
 
 # Evaluations along a `trainer_defaults` run, whose length its epochs decide: every this many steps.
 DEFAULTS_CURVE_EVERY = 1000
+# Checkpoints of such a run: a run cut off by a device call's limit goes on from its last one when the same
+# command runs again on the same machine (~4,000 steps at the full size: at most ~40 s of a run lost).
+DEFAULTS_SAVE_EVERY = 500
+CHECKPOINTS_PER_RUN = 8  # of a run whose steps its size sets
 
 
 def with_trainer_defaults(size: Size) -> Size:

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -12,6 +17,7 @@ import pytest
 import torch
 import transformers
 from common.quality import ci_argv
+from dflash.train.checkpoint import latest_checkpoint
 
 from bench import bench_quality, quality_data, quality_phases, quality_sizes
 from bench.quality_report import SPLIT_CLASSES, print_split_table, print_table
@@ -117,6 +123,62 @@ def test_deadline_starts_no_run_the_runs_so_far_say_would_not_end_in_time(tmp_pa
     assert not (work / "runs" / "base-fp8-f1-s0").exists()
     assert [row.get("not_started", False) for row in report["table"]] == [True, False]  # fp8 sorts first
     assert "base: fp8, 100% rows" in capsys.readouterr().out.split("not started (--deadline)")[0]
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint_to_the_same_drafter(
+    tmp_path: Path,
+) -> None:
+    """A device call's limit SIGKILLs the benchmark and its training run; the same command again (on the same
+    machine) goes on from the run's last checkpoint, as dflash-train tells a user to, and ends where an
+    uninterrupted run ends: same losses, same held-out evaluation."""
+    work = tmp_path / "q"
+    argv = ci_argv(work, "--codecs", "lossless", "--fractions", "1", "--steps", "400")
+    assert bench_quality.main([*argv, "--stop-after", "extract"]) == 0  # target, rows, cache: shared
+    cut = work / "cut" / "base-lossless-f1-s0"
+    child = subprocess.Popen(
+        [sys.executable, bench_quality.__file__, *argv, "--runs-dir", "cut"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        while latest_checkpoint(cut) is None:  # a committed one
+            assert child.poll() is None, (work / "cut" / "base-lossless-f1-s0.log").read_text()[-2000:]
+            time.sleep(0.02)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    assert not (cut / "final").exists()
+    kept = latest_checkpoint(cut).name
+    assert bench_quality.main([*argv, "--runs-dir", "cut"]) == 0
+    assert bench_quality.main([*argv, "--runs-dir", "whole"]) == 0
+    [resumed], [whole] = (
+        json.loads((work / d / "quality.json").read_text())["runs"] for d in ("cut", "whole")
+    )
+    assert resumed["resumed_from"] == kept and "resumed_from" not in whole
+    assert resumed["eval_loss"] == whole["eval_loss"] and resumed["tau"] == whole["tau"]
+
+    def losses(runs: str) -> dict[int, float]:
+        lines = (work / runs / "base-lossless-f1-s0" / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r and "tau" not in r}
+
+    after = {s: v for s, v in losses("whole").items() if s > int(kept.removeprefix("step_"))}
+    assert after and {s: losses("cut")[s] for s in after} == after
+    log = (work / "cut" / "base-lossless-f1-s0.log").read_text()
+    assert log.count("dflash-train:") == 2  # both attempts' logs, the first one kept
+
+
+def test_a_cut_run_of_another_command_starts_again(tmp_path: Path) -> None:
+    run = quality_sizes.Run(
+        variant="base", flags=(), codec="fp8", fraction=1.0, seed=0, dir=tmp_path, curve=False
+    )
+    run.dir = tmp_path / "runs" / run.name
+    step = run.dir / "checkpoints" / "step_000010"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")  # committed (its contents are dflash-train's to check)
+    assert quality_phases.cut_run_checkpoint(run, ["--seed", "0"]) is None  # no command kept
+    quality_phases.command_file(run.dir.parent, run.name).write_text(json.dumps(["--seed", "1"]))
+    assert quality_phases.cut_run_checkpoint(run, ["--seed", "0"]) is None  # another command's run
+    assert quality_phases.cut_run_checkpoint(run, ["--seed", "1"]) == step
 
 
 def test_first_seed_adds_seeds_to_an_earlier_experiment(tmp_path: Path) -> None:

@@ -258,8 +258,8 @@ def cut_run_checkpoint(run: Run, flags: list[str]) -> Path | None:
 
 
 def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: str, extra: list[str]) -> Run:
-    export = run.dir / "final"
-    if not (export / "config.json").is_file():
+    seconds_file = run.dir / "bench_seconds.json"  # written once the run is trained and exported
+    if not seconds_file.is_file():
         flags = run_flags(run, work, size, meta, device, extra)
         resume_at = cut_run_checkpoint(run, flags)
         if resume_at is not None:  # goes on as `dflash-train` tells a user to: the same command, --resume
@@ -271,8 +271,8 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
             shutil.rmtree(run.dir)
         run.dir.parent.mkdir(parents=True, exist_ok=True)
         seconds = train_and_export(flags, run.dir, run.name, resume=resume_at is not None)
-        (run.dir / "bench_seconds.json").write_text(json.dumps({"train_seconds": round(seconds, 1)}))
-    run.result["train_seconds"] = json.loads((run.dir / "bench_seconds.json").read_text())["train_seconds"]
+        seconds_file.write_text(json.dumps({"train_seconds": round(seconds, 1)}))
+    run.result["train_seconds"] = json.loads(seconds_file.read_text())["train_seconds"]
     # the epoch order it trained on (dflash-train writes RUN/config.json; runs from before spans have none)
     run.result["data_order"] = json.loads((run.dir / "config.json").read_text()).get("data_order", OLD_ORDER)
     run.result["curve"] = [

@@ -121,6 +121,23 @@ def test_config_keys_and_weight_names_exactly(setup, tmp_path) -> None:
     assert hf_config_dict(cfg, torch.float32)["dtype"] == "float32"
 
 
+def test_an_export_cut_off_on_its_weights_leaves_no_config(setup, tmp_path, monkeypatch) -> None:
+    """Loaders and engines take a directory with config.json for a model: a disk that fills while the
+    weights are written must not leave one beside missing weights."""
+    import dflash.train.export as export
+
+    cfg, model, _, _, _ = setup
+
+    def disk_full(*args, **kwargs) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "save_tensors", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        export_drafter(model, cfg, tmp_path / "drafter")
+    assert not (tmp_path / "drafter" / "config.json").exists()
+    assert not list((tmp_path / "drafter").iterdir())  # no temp file left either
+
+
 def test_modeling_file_imports_only_torch_and_transformers(setup, tmp_path) -> None:
     cfg, model, _, _, _ = setup
     source = (export_drafter(model, cfg, tmp_path / "d") / "dflash.py").read_text()

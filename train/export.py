@@ -89,10 +89,12 @@ def export_drafter(
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / CONFIG_FILE, hf_config_dict(config, dtype))
     atomic_write(out / WEIGHTS_FILE, lambda p: save_tensors(tensors, p, metadata={"format": "pt"}))
     source = (Path(__file__).with_name("hf_modeling.py")).read_text(encoding="utf-8")
     atomic_write(out / MODELING_FILE, lambda p: p.write_text(source, encoding="utf-8"))
+    # Last: loaders and engines take a directory with config.json for a model, so an export cut off before
+    # its end must not leave one beside missing weights.
+    atomic_write_json(out / CONFIG_FILE, hf_config_dict(config, dtype))
     return out
 
 

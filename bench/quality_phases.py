@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dflash.train.checkpoint import latest_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_data import cut_prompts, greedy_continuations, read_corpus, write_rows
@@ -249,8 +251,6 @@ def train_and_export(flags: list[str], run_dir: Path, name: str, resume: bool = 
 
 def cut_run_checkpoint(run: Run, flags: list[str]) -> Path | None:
     """The last checkpoint of a run cut off earlier (a device call's limit) with these same flags, if any."""
-    from dflash.train.checkpoint import latest_checkpoint
-
     cmd = command_file(run.dir.parent, run.name)
     if not run.dir.is_dir() or not cmd.is_file() or json.loads(cmd.read_text()) != flags:
         return None
@@ -266,8 +266,6 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
             print(f"[run] {run.name} goes on from {resume_at.name}", flush=True)
             run.result["resumed_from"] = resume_at.name
         elif run.dir.exists():  # cut off before its first checkpoint, or another command's: start again
-            import shutil
-
             shutil.rmtree(run.dir)
         run.dir.parent.mkdir(parents=True, exist_ok=True)
         seconds = train_and_export(flags, run.dir, run.name, resume=resume_at is not None)

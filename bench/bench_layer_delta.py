@@ -1,6 +1,7 @@
 """What q4 / q6 would cost if each layer were stored as its difference from the previous stored layer.
 
     python bench/bench_layer_delta.py CACHE [--codec q4] [--rows 32]
+    python bench/bench_layer_delta.py --tiny      # a synthetic cache (independent layers: a smoke run)
 
 Reads rows of a lossless cache (real hidden states: synthetic ones have no residual stream) and, per stored
 layer, compares the codec's relative error ||decoded - x|| / ||x|| and bytes when the layer is encoded
@@ -15,9 +16,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from common.synth import make_cache
 from dflash.shards import Cache
 from dflash.shards.codecs import get_codec
 
@@ -29,15 +35,26 @@ def round_trip(codec, x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cache", help="a lossless cache directory")
+    p.add_argument("cache", nargs="?", help="a lossless cache directory")
+    p.add_argument("--tiny", action="store_true", help="a small synthetic cache instead (smoke run)")
     p.add_argument("--codec", default="q4", choices=("q4", "q6", "fp8"))
     p.add_argument("--rows", type=int, default=32, help="rows read, evenly spaced over the cache")
     args = p.parse_args(argv)
+    if args.tiny:
+        with tempfile.TemporaryDirectory() as tmp:
+            make_cache(Path(tmp) / "c", [40, 7, 90], layers=(1, 2, 3), hidden=64)
+            return measure(Path(tmp) / "c", args)
+    if not args.cache:
+        p.error("give a lossless cache directory, or --tiny")
+    return measure(Path(args.cache), args)
+
+
+def measure(path: Path, args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     codec = get_codec(args.codec)
-    with Cache.open(args.cache) as cache:
+    with Cache.open(path) as cache:
         if cache.codec.name != "lossless":
-            print(f"error: {args.cache} is a {cache.codec.name} cache; this needs exact states (lossless)")
+            print(f"error: {path} is a {cache.codec.name} cache; this needs exact states (lossless)")
             return 2
         layers = cache.layers
         stored = sorted(e.row for e in cache.entries())
@@ -59,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 size["delta"] += n
                 if k:
                     err["gap"][k] += float((x - states[k - 1]).norm() / norm)
-    print(f"{args.codec}, {len(rows)} rows of {args.cache}: mean relative error per stored layer")
+    print(f"{args.codec}, {len(rows)} rows of {path}: mean relative error per stored layer")
     print(f"{'layer':>6}{'direct':>10}{'delta':>10}{'|x_k - x_k-1| / |x_k|':>26}")
     for k, layer in enumerate(layers):
         gap = f"{err['gap'][k] / len(rows):.3f}" if k else "-"

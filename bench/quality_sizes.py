@@ -200,7 +200,7 @@ SIZES["full"] = replace(
 # Evaluations along a `trainer_defaults` run, whose length its epochs decide: every this many steps.
 DEFAULTS_CURVE_EVERY = 1000
 # Checkpoints of such a run: a run cut off by a device call's limit goes on from its last one when the same
-# command runs again on the same machine (~4,000 steps at the full size: at most ~40 s of a run lost).
+# command runs again on the same machine (~3,900 steps at the full size, ~10 steps/s: at most ~50 s lost).
 DEFAULTS_SAVE_EVERY = 500
 CHECKPOINTS_PER_RUN = 8  # of a run whose steps its size sets
 
@@ -296,5 +296,6 @@ def plan_runs(
 def starts_in_time(left: float, took: list[float]) -> bool:
     """Whether another run may start with `left` seconds before `--deadline`: always before any run has ended
     (nothing to go by), then only when the longest run so far would end in time. A device call kills what is
-    still running at its limit, and a run cut off leaves nothing but the device time it spent."""
+    still running at its limit: a run cut off goes on from its last checkpoint only if the next call finds the
+    same machine (`quality_phases.phase_run`), and on a fresh one it has cost its device time for nothing."""
     return not took or max(took) <= left

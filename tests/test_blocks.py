@@ -7,6 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from common.dispatch import dispatched_ops
+from dflash.shards import get_codec
+from dflash.shards.qcodec import dequantize_q
 from dflash.train.blocks import (
     SequenceInput,
     build_blocks,
@@ -199,6 +202,35 @@ def test_packing_from_per_layer_hidden_states_keeps_layer_order() -> None:
         make_packed_batch([sample], block_size=2, mask_token_id=MASK, num_anchors=8, layer_ids=[4])
     with pytest.raises(ValueError, match="pass layer_ids"):
         make_packed_batch([sample], block_size=2, mask_token_id=MASK, num_anchors=8)
+
+
+def test_q_packed_features_decode_to_the_codecs_bits_in_launches_that_do_not_grow_with_the_layers() -> None:
+    """q4 batches decode on the GPU in the training process's copy thread, each operation a launch that hands
+    the GIL to the training thread: one `dequantize_q` over every layer, bit for bit the codec's own decode."""
+    codec = get_codec("q4")
+    gen = torch.Generator().manual_seed(0)
+
+    def sample(n: int, layers: int) -> SimpleNamespace:
+        states = [
+            torch.randn(n, 96, generator=gen) * torch.rand(96, generator=gen) * 4 for _ in range(layers)
+        ]
+        hidden = {i: codec.decode_block(codec.encode(x), (n, 96)) for i, x in enumerate(states)}
+        return SimpleNamespace(
+            input_ids=torch.arange(n), loss_mask=torch.ones(n, dtype=torch.bool), hidden=hidden
+        )
+
+    def packed(layers: int) -> tuple[object, list[SimpleNamespace]]:
+        samples = [sample(n, layers) for n in (9, 30, 4)]
+        batch = make_packed_batch(samples, block_size=4, mask_token_id=MASK, num_anchors=3,
+                                  layer_ids=list(range(layers)), generator=gen)  # fmt: skip
+        return batch, samples
+
+    batch, samples = packed(4)
+    want = torch.cat([torch.cat([dequantize_q(s.hidden[i]) for i in range(4)], 1) for s in samples])
+    got = batch.dequantized().features
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    one, four = (dispatched_ops(packed(k)[0].dequantized) for k in (1, 4))
+    assert one == four
 
 
 def test_explicit_anchors_and_empty_sequences() -> None:

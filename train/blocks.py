@@ -105,24 +105,33 @@ class PackedBatch:
             return self
         t, k = self.feature_scales.shape
         h = self.features.shape[1] // k
-        out = torch.empty((t, k * h), dtype=torch.bfloat16, device=self.features.device)
-        for j in range(k):  # one layer at a time: an fp32 temporary of [T, H], not [T, K*H]
-            cols = slice(j * h, (j + 1) * h)
-            if self.feature_group_scales is None:
+        if self.feature_group_scales is not None:
+            out = self._dequantized_q(t, k, h)
+        else:
+            out = torch.empty((t, k * h), dtype=torch.bfloat16, device=self.features.device)
+            for j in range(k):  # one layer at a time: an fp32 temporary of [T, H], not [T, K*H]
+                cols = slice(j * h, (j + 1) * h)
                 block = Fp8Block(q=self.features[:, cols], scale=self.feature_scales[:, j])
                 out[:, cols] = dequantize_fp8(block, torch.bfloat16)
-                continue
-            g = self.feature_group_scales.shape[1] // k
-            q = QBlock(
-                codes=self.features[:, cols],
-                group_scales=self.feature_group_scales[:, j * g : (j + 1) * g],
-                token_scales=self.feature_scales[:, j],
-                channel_scales=self.feature_channel_scales[:, cols],
-            )
-            out[:, cols] = dequantize_q(q, torch.bfloat16, row_of_token=self.context_seq)
         return replace(
             self, features=out, feature_scales=None, feature_group_scales=None, feature_channel_scales=None
         )
+
+    def _dequantized_q(self, t: int, k: int, h: int) -> torch.Tensor:
+        """[T, K*H] bf16 from q codes in one `dequantize_q` call over every layer (its steps bound the fp32
+        temporaries): token t's layer j is row t * K + j, and its channel scales row seq(t) * K + j. One call,
+        not one a layer: on a GPU each operation is a launch, a GIL hand-off beside the training thread."""
+        g = self.feature_group_scales.shape[1] // k
+        rows = self.feature_channel_scales.shape[0]
+        layer = torch.arange(k, device=self.context_seq.device)
+        q = QBlock(
+            codes=self.features.reshape(t * k, h),
+            group_scales=self.feature_group_scales.reshape(t * k, g),
+            token_scales=self.feature_scales.reshape(t * k),
+            channel_scales=self.feature_channel_scales.reshape(rows * k, h),
+        )
+        row_of_token = (self.context_seq[:, None] * k + layer).reshape(t * k)
+        return dequantize_q(q, torch.bfloat16, row_of_token=row_of_token).view(t, k * h)
 
 
 def _maybe(fn: Any, t: torch.Tensor | TileLayout | None) -> torch.Tensor | TileLayout | None:

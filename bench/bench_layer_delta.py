@@ -25,10 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common.synth import make_cache
 from dflash.shards import Cache
-from dflash.shards.codecs import get_codec
+from dflash.shards.codecs import Codec, get_codec
 
 
-def round_trip(codec, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+def round_trip(codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     frame = codec.encode(x.bfloat16())
     return codec.decode(frame, tuple(x.shape), "bfloat16").float(), len(frame)
 

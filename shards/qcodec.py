@@ -152,10 +152,8 @@ def _ratio_codes(rho: torch.Tensor, ratio: torch.Tensor, search: bool | None = N
     ~70 ns per element, estimated from log2, then moved by one where rounding put it on the wrong side
     (~25 passes, each cheap there). Both give the same codes (tests)."""
     if search if search is not None else rho.device.type != "cpu":
-        ascending = _ratio_table_on(
-            rho.device, ascending=True
-        )  # the first ratio >= rho, counted from the top
-        return 255 - torch.searchsorted(ascending, rho.contiguous())
+        # the first ratio >= rho in the ascending table, counted from the top
+        return 255 - torch.searchsorted(_ratio_table_on(rho.device, ascending=True), rho.contiguous())
     octave = torch.log2(rho).neg_().floor_().clamp_(0, 16)
     u = (octave * 16 + (32 - 32 * rho * torch.exp2(octave)).floor_().clamp_(0, 15)).clamp_(0, 255).long()
     u -= (ratio[u] < rho).long()

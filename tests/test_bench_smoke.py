@@ -37,6 +37,7 @@ RUNS = {
     "compile": ["bench/bench_compile.py", "--backend", "aot_eager"],
     "verify": ["bench/bench_verify.py", "--tiny"],
     "layer_delta": ["bench/bench_layer_delta.py", "--tiny", "--rows", "3"],
+    "q_ops": ["bench/bench_q_ops.py", "--cpu-seconds", "--rounds", "1"],
     # a codec named twice runs twice (the order check); --profile prints the last run's top ops
     "extract": [
         "bench/bench_extract.py",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dflash.shards.atomic import atomic_write_json
 from dflash.train.checkpoint import latest_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -241,7 +242,7 @@ def train_and_export(flags: list[str], run_dir: Path, name: str, resume: bool = 
     kept as NAME.cmd.json (so a cut run, or `bench/quality_resume.py`, can go on from the run as a user
     would). Returns the training's seconds (this attempt's)."""
     runs = run_dir.parent
-    command_file(runs, name).write_text(json.dumps(flags) + "\n")
+    atomic_write_json(command_file(runs, name), flags)  # read back to tell a cut run's command
     command = [*flags, "--resume"] if resume else flags
     seconds = _call(_python("dflash.train.cli", *command), runs / f"{name}.log", append=resume)
     _call(_python("dflash.train.cli", "export", str(run_dir), "--out", str(run_dir / "final")),
@@ -269,7 +270,7 @@ def phase_run(run: Run, work: Path, size: Size, meta: dict[str, Any], device: st
             shutil.rmtree(run.dir)
         run.dir.parent.mkdir(parents=True, exist_ok=True)
         seconds = train_and_export(flags, run.dir, run.name, resume=resume_at is not None)
-        seconds_file.write_text(json.dumps({"train_seconds": round(seconds, 1)}))
+        atomic_write_json(seconds_file, {"train_seconds": round(seconds, 1)})  # the run's "finished" mark
     run.result["train_seconds"] = json.loads(seconds_file.read_text())["train_seconds"]
     # the epoch order it trained on (dflash-train writes RUN/config.json; runs from before spans have none)
     run.result["data_order"] = json.loads((run.dir / "config.json").read_text()).get("data_order", OLD_ORDER)

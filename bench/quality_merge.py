@@ -2,14 +2,20 @@
 call fits a seed or two, the issue's criteria want three):
 
     python bench/quality_merge.py bench/reports/hybrid-defaults-codecs-s0.json \
-        bench/reports/hybrid-defaults-codecs-s1.json [--json merged.json]
+        bench/reports/hybrid-defaults-codecs-s1.json [--json merged.json] [--across-rows]
 
 Reports merge only where their drafters were trained and scored alike: the same target weights, training rows,
 held-out rows (prompt lookup's walk on them), recipe, drafter size, scoring cache and extra dflash-train flags
 (but those that change only speed: `SPEED_ONLY`); anything else is refused in one line naming the field and both
 files. Each run may appear in one report only. The merged report prints
 as `bench_quality.py` prints its own: mean and spread over every seed, and each lossy codec and recipe variant
-against its reference run of the same seed (`quality_gaps`)."""
+against its reference run of the same seed (`quality_gaps`).
+
+`--across-rows` merges reports whose target was rebuilt: the same weights, but other training and held-out rows (the
+target's greedy continuations are not bit for bit the same on every machine, BENCHMARKS.md). Their walks are on
+different rows and are not averaged; what is still comparable is each seed's paired gap, computed between runs of
+one report's rows. So it prints the gap tables and each rows instance's walks on their own, and refuses a seed
+that appears on two instances (its pair would straddle them)."""
 
 from __future__ import annotations
 
@@ -21,14 +27,20 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.quality_gaps import print_gaps
 from bench.quality_report import print_table, summarize
 from bench.quality_sizes import OLD_ORDER, Run
+
+# What makes two reports' rows the same instance: (what it is, where it is in a report).
+SAME_ROWS = (
+    ("training rows", ("data", "rows_sha256")),
+    ("held-out rows (prompt lookup's walk on them)", ("baselines", "prompt_lookup", "tau_walk")),
+)
 
 # What makes two reports' drafters comparable: (what it is, where it is in a report).
 SAME = (
     ("target weights", ("target", "weights_sha256")),
-    ("training rows", ("data", "rows_sha256")),
-    ("held-out rows (prompt lookup's walk on them)", ("baselines", "prompt_lookup", "tau_walk")),
+    *SAME_ROWS,
     ("held-out row count", ("baselines", "prompt_lookup", "eval_samples")),
     ("recipe", ("recipe",)),
     ("drafter size", ("size", "drafter")),
@@ -97,11 +109,13 @@ def _row_walks(rows: Any) -> bool:
     )
 
 
-def merge(reports: dict[Path, dict[str, Any]]) -> dict[str, Any]:
-    """The reports as one: the first's target, data and baselines, every report's runs and curves."""
+def merge(reports: dict[Path, dict[str, Any]], across_rows: bool = False) -> dict[str, Any]:
+    """The reports as one: the first's target, data and baselines, every report's runs and curves. With
+    `across_rows`, reports on other rows of the same target merge too (their runs keep their report's rows)."""
     (first, base), *rest = reports.items()
+    compared = [s for s in SAME if s not in SAME_ROWS] if across_rows else SAME
     for path, report in rest:
-        for what, where in SAME:
+        for what, where in compared:
             if _at(report, where) != _at(base, where):
                 raise SystemExit(
                     f"error: {path}: another {what} than {first} ({_at(report, where)!r} against "
@@ -118,6 +132,8 @@ def merge(reports: dict[Path, dict[str, Any]]) -> dict[str, Any]:
             if entry["run"] in seen:
                 raise SystemExit(f"error: run {entry['run']} is in both {seen[entry['run']]} and {path}")
             seen[entry["run"]] = path
+    if across_rows:
+        return _merge_across_rows(reports, base)
     entries = [e for r in reports.values() for e in r["runs"]]
     runs = [Run.from_report(e) for e in entries]
     return {
@@ -132,20 +148,81 @@ def merge(reports: dict[Path, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _rows_of(report: dict[str, Any]) -> str:
+    return str(_at(report, SAME_ROWS[0][1]))
+
+
+def _merge_across_rows(reports: dict[Path, dict[str, Any]], base: dict[str, Any]) -> dict[str, Any]:
+    """Runs of several rows instances, each entry marked with its instance; a seed on two is refused."""
+    instance_of_seed: dict[int, tuple[str, Path]] = {}
+    entries = []
+    for path, report in reports.items():
+        rows = _rows_of(report)
+        for entry in report["runs"]:
+            seed = Run.from_report(entry).seed
+            seen = instance_of_seed.setdefault(seed, (rows, path))
+            if seen[0] != rows:
+                raise SystemExit(
+                    f"error: {path}: seed {seed} also ran on other rows in {seen[1]} ({rows[:12]} against "
+                    f"{seen[0][:12]}): its pairs would straddle two rows instances"
+                )
+            entries.append({**entry, "rows_sha256": rows})
+    instances: dict[str, dict[str, Any]] = {}
+    for path, report in reports.items():
+        instance = instances.setdefault(_rows_of(report), {"prompt_lookup": report["baselines"]["prompt_lookup"],
+                                                           "reports": []})  # fmt: skip
+        instance["reports"].append(str(path))
+    return {
+        **{k: base[k] for k in KEPT if k not in ("runs", "data", "baselines")},
+        "data_order": base["data_order"],
+        "rows_instances": instances,
+        "runs": entries,
+        "train_args": {str(p): r.get("train_args") for p, r in reports.items()},
+        "merged_from": [str(p) for p in reports],
+    }
+
+
+def print_across_rows(merged: dict[str, Any]) -> None:
+    """Each rows instance's runs with their walk against that instance's prompt lookup, then the gap tables."""
+    instances = merged["rows_instances"]
+    for rows, instance in instances.items():
+        lookup = instance["prompt_lookup"]
+        print(f"\nrows {rows[:12]}: prompt lookup walks {lookup['tau_walk']:.3f} on {lookup['eval_samples']} "
+              f"held-out rows ({', '.join(instance['reports'])})")  # fmt: skip
+        for entry in merged["runs"]:
+            if entry["rows_sha256"] == rows and "tau_walk" in entry:
+                ratio = entry["tau_walk"] / lookup["tau_walk"]
+                print(f"  {entry['run']:<32} walk {entry['tau_walk']:.3f} ({ratio:.2f}x)")
+    print_gaps(merged)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("reports", type=Path, nargs="+", help="quality.json files (bench_quality.py's --json)")
     p.add_argument("--json", type=Path, help="also write the merged report here")
+    p.add_argument(
+        "--across-rows",
+        action="store_true",
+        help="merge reports of a rebuilt target (other rows): each seed's paired gaps, no averaged walks",
+    )
     args = p.parse_args(argv)
     reports = {path: read_report(path) for path in args.reports}
     if len(reports) < len(args.reports):
         raise SystemExit("error: a report is named twice")
-    merged = merge(reports)
-    print(f"{merged['target_kind']} target, weights {str(_at(merged, SAME[0][1]))[:12]}, rows "
-          f"{str(_at(merged, SAME[1][1]))[:12]}; {len(merged['runs'])} runs from {len(reports)} reports")  # fmt: skip
+    merged = merge(reports, args.across_rows)
+    weights = str(_at(merged, SAME[0][1]))[:12]
+    if args.across_rows:
+        print(f"{merged['target_kind']} target, weights {weights}; {len(merged['runs'])} runs from "
+              f"{len(reports)} reports on {len(merged['rows_instances'])} rows instances")  # fmt: skip
+    else:
+        print(f"{merged['target_kind']} target, weights {weights}, rows {str(_at(merged, SAME[1][1]))[:12]}; "
+              f"{len(merged['runs'])} runs from {len(reports)} reports")  # fmt: skip
     for path, train_args in merged["train_args"].items():
         print(f"  {path}: extra dflash-train flags {train_args or '(none)'}")
-    print_table(merged)
+    if args.across_rows:
+        print_across_rows(merged)
+    else:
+        print_table(merged)
     if args.json:
         args.json.write_text(json.dumps(merged, indent=1) + "\n")
     return 0

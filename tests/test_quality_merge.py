@@ -282,3 +282,53 @@ def test_a_damaged_walk_rows_is_refused_in_one_line(tmp_path: Path, rows) -> Non
         SystemExit, match=r"^error: .*a.json: run 'base-lossless-f1-s0': walk_rows is not row id"
     ):
         quality_merge.main([str(path)])
+
+
+def test_a_rebuilt_targets_reports_merge_across_rows_as_paired_gaps_only(tmp_path: Path, capsys) -> None:
+    # the same weights, other rows (a target rebuilt on another machine): refused without --across-rows
+    a = _write(tmp_path / "a.json", _report({"base-lossless-f1-s0": 4.0, "base-q4-f1-s0": 3.96}))
+    rebuilt = _report({"base-lossless-f1-s2": 5.0, "base-q4-f1-s2": 4.8, "distill-lossless-f1-s2": 5.1})
+    rebuilt["data"]["rows_sha256"] = "r1"
+    rebuilt["baselines"]["prompt_lookup"]["tau_walk"] = 2.5
+    b = _write(tmp_path / "b.json", rebuilt)
+    with pytest.raises(SystemExit, match="another training rows"):
+        quality_merge.main([str(a), str(b)])
+    assert quality_merge.main([str(a), str(b), "--across-rows", "--json", str(tmp_path / "m.json")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    (q4,) = codec_gaps(merged["runs"])
+    assert q4["seeds"] == ["s0", "s2"] and q4["per_seed"] == pytest.approx([-0.01, -0.04])
+    (distill,) = variant_gaps(merged["runs"])
+    assert distill["seeds"] == ["s2"] and distill["per_seed"] == pytest.approx([0.02])
+    out = capsys.readouterr().out
+    # each instance's walks against its own lookup; no table averaging walks over different rows
+    assert "rows r0: prompt lookup walks 2.000" in out and "rows r1: prompt lookup walks 2.500" in out
+    assert "base-lossless-f1-s2              walk 5.000 (2.00x)" in out and "tau (walk)" not in out
+    assert "table" not in merged and set(merged["rows_instances"]) == {"r0", "r1"}
+    # other weights still do not merge
+    other = _report({"base-lossless-f1-s3": 5.0}, weights="w1")
+    with pytest.raises(SystemExit, match="another target weights"):
+        quality_merge.main([str(a), str(_write(tmp_path / "c.json", other)), "--across-rows"])
+
+
+def test_a_seed_on_two_rows_instances_is_refused_across_rows(tmp_path: Path) -> None:
+    a = _write(tmp_path / "a.json", _report({"base-lossless-f1-s0": 4.0}))
+    rebuilt = _report({"base-q4-f1-s0": 4.8})
+    rebuilt["data"]["rows_sha256"] = "r1"
+    b = _write(tmp_path / "b.json", rebuilt)
+    with pytest.raises(SystemExit) as refused:
+        quality_merge.main([str(a), str(b), "--across-rows"])
+    assert str(refused.value).startswith(f"error: {b}: seed 0 also ran on other rows in {a}")
+
+
+def test_the_recorded_code_seeds_give_benchmarks_numbers_across_rows() -> None:
+    # BENCHMARKS.md, "Code's third seed": fp8 -0.5% on every seed, q4 -1.0 / -1.2 / -2.2% (mean -1.5%), the
+    # third seed on a rebuilt target's rows; distillation +0.7% / +2.5% there
+    names = ["s0", "s0-q4", "s1", "s1-fp8q4", "s2", "s2-distill", "s3-distill"]
+    reports = [REPORTS / f"code-full-defaults-{n}-h100.json" for n in names]
+    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in reports}, across_rows=True)
+    gaps = {g["codec"]: g for g in codec_gaps(merged["runs"])}
+    assert [round(g, 3) for g in gaps["fp8"]["per_seed"]] == [-0.005, -0.005, -0.005]
+    assert [round(g, 3) for g in gaps["q4"]["per_seed"]] == [-0.01, -0.012, -0.022]
+    assert round(gaps["q4"]["mean_of_gaps"], 3) == -0.015
+    (distill,) = variant_gaps(merged["runs"])
+    assert [round(g, 3) for g in distill["per_seed"]] == [0.007, 0.025]

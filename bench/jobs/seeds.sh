@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One quality-benchmark target's seeds on lossless / fp8 / q4 (and, with `distill`, each seed's distilled lossless
+# run), every run side by side under MPS, as one detached device job (issue 29's codec and distillation criteria):
+#
+#   bash bench/device_job.sh start /tmp/q bench/jobs/seeds.sh code "2" distill   # then, each call at once:
+#   bash bench/device_job.sh poll /tmp/q 560                                        # carry .whl
+#
+# Builds the target (or reuses a built one under W), then starts the first seed's bench process, which extracts
+# the three caches; the other processes start once those are complete and reuse them (never extract beside it).
+# Reports: W/T-sS.json (codecs) and W/T-sS-distill.json, merged by `bench/quality_merge.py --across-rows` with
+# other sessions' (a target rebuilt on another machine has the same weights, other rows). On one H100, code's
+# seed 2 with its distilled run (four runs) took 4 min of build, 1.5 of extraction and 11 of training.
+# BUILD_ARGS adds flags to the build: the hybrid's `--gen-batch 4160 --compile-target reduce-overhead` (its rows in
+# about a minute, BENCHMARKS.md's hybrid sections).
+# SIZE=ci DEVICE=cpu RECIPE=size DEVICE_ENV_NO_WHEELS=1 runs the same steps on a CPU box in a minute (a check of
+# the job, not a measurement: the CI size cannot take dflash-train's defaults; tests/test_device_job_sh.py).
+set -u
+W=${1:?work folder}
+T=${2:?target: code, prose or hybrid}
+SEEDS=${3:?seeds, e.g. "0 1"}
+DISTILL=${4:-}
+S="--size ${SIZE:-full} --device ${DEVICE:-cuda}"
+source bench/device_env.sh
+echo "== build $T $(date +%T)"
+python3 bench/bench_quality.py --work "$W/$T" --target "$T" $S --stop-after data ${BUILD_ARGS:-} >"$W/build.log" 2>&1 ||
+  exit
+source bench/cuda_mps.sh /tmp/mps
+B="python3 bench/bench_quality.py $S --recipe ${RECIPE:-defaults} --score-on lossless --fractions 1 --seeds 1
+   --work $W/$T --target $T"
+first=1
+for seed in $SEEDS; do
+  echo "== $T seed $seed, three codecs $(date +%T)"
+  $B --codecs lossless,fp8,q4 --parallel 3 --first-seed "$seed" --runs-dir "runs-s$seed" --json "$W/$T-s$seed.json" \
+    >"$W/$T-s$seed.log" 2>&1 &
+  if [ "$first" = 1 ]; then
+    # where bench_quality keeps a target's phases (bench/quality_pack.target_work): code in W itself
+    caches="$W/$T"; [ "$T" = code ] || caches="$W/$T/$T"
+    for c in lossless fp8 q4; do bash bench/jobs/await_cache.sh "$caches/cache-$c"; done
+    first=0
+  fi
+  if [ "$DISTILL" = distill ]; then
+    echo "== $T seed $seed, distilled $(date +%T)"
+    $B --codecs lossless --variants "distill=--distill 0.5" --first-seed "$seed" --runs-dir "runs-distill-s$seed" \
+      --json "$W/$T-s$seed-distill.json" >"$W/$T-s$seed-distill.log" 2>&1 &
+  fi
+done
+wait
+echo "== done $(date +%T)"

@@ -1,0 +1,94 @@
+"""`bench/device_job.sh`: a device session's work as one detached job, and the calls that follow it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[1] / "bench" / "device_job.sh"
+
+
+def _sh(*args: str, dest: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "POLL_EVERY": "0.2"}
+    env.pop("OUT", None)
+    argv = ["bash", str(SCRIPT), *args] + ([str(dest)] if dest else [])
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env)
+
+
+def test_poll_ends_at_once_on_a_machine_that_did_not_start_the_job(tmp_path: Path) -> None:
+    done = _sh("poll", str(tmp_path / "q"), "300", dest=tmp_path / "out")
+    assert done.returncode == 3 and "did not start the job" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_started_job_runs_detached_and_poll_brings_back_its_reports_and_logs(tmp_path: Path) -> None:
+    work, out = tmp_path / "q", tmp_path / "out"
+    job = tmp_path / "job.sh"
+    job.write_text(
+        'W=$1\necho "== build"\nmkdir -p $W/code/runs/base-q4-f1-s2\n'
+        'echo \'{"step": 3918, "loss": 0.7}\' > $W/code/runs/base-q4-f1-s2/metrics.jsonl\n'
+        "echo '{\"runs\": []}' > $W/code-s2.json\necho table > $W/codecs.txt\n"
+        'printf "[extract q4] 90 s\\n" > $W/code-s2.log\necho "== train"\nexit 4\n'
+    )
+    started = _sh("start", str(work), str(job))
+    assert started.returncode == 0 and "started" in started.stdout
+    done = _sh("poll", str(work), "20", dest=out)
+    assert done.returncode == 0, done.stderr
+    assert "== exit 4" in done.stdout  # the job's own status, in its log's last step line
+    assert 'base-q4-f1-s2: "step": 3918' in done.stdout
+    assert (out / "code-s2.json").read_text() == '{"runs": []}\n'
+    assert (out / "codecs.txt").read_text() == "table\n"
+    assert "== code-s2.log\n[extract q4] 90 s" in (out / "logs.tail").read_text()
+    assert (out / "job.log").read_text().splitlines() == ["== build", "== train", "== exit 4"]
+
+
+def test_poll_stops_after_its_seconds_while_the_job_runs_on(tmp_path: Path) -> None:
+    work = tmp_path / "q"
+    job = tmp_path / "job.sh"
+    job.write_text('echo "== sleeping"\nsleep 30\n')
+    assert _sh("start", str(work), str(job)).returncode == 0
+    try:
+        done = _sh("poll", str(work), "2")
+        assert done.returncode == 0 and "== sleeping" in done.stdout and "== exit" not in done.stdout
+    finally:
+        subprocess.run(["pkill", "-f", str(job)], check=False)
+
+
+def test_the_seeds_job_extracts_each_cache_once_and_reports_every_seed_and_distilled_run(
+    tmp_path: Path,
+) -> None:
+    # bench/jobs/seeds.sh at the CI size on this CPU: the steps a device session runs, end to end
+    work, out = tmp_path / "q", tmp_path / "out"
+    repo = SCRIPT.parents[1]
+    env = {
+        **os.environ,
+        "SIZE": "ci",
+        "DEVICE": "cpu",
+        "RECIPE": "size",
+        "OMP_NUM_THREADS": "1",
+        "DEVICE_ENV_NO_WHEELS": "1",
+    }
+    start = ["bash", str(SCRIPT), "start", str(work), "bench/jobs/seeds.sh", "prose", "0 1", "distill"]
+    subprocess.run(start, cwd=repo, env=env, check=True, capture_output=True, timeout=30)
+    poll = ["bash", str(SCRIPT), "poll", str(work), "600", str(out)]
+    subprocess.run(poll, env={**env, "POLL_EVERY": "1"}, check=True, capture_output=True, timeout=660)
+    assert (out / "job.log").read_text().splitlines()[-1] == "== exit 0"
+    reports = {p.name: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(reports) == [
+        "prose-s0-distill.json",
+        "prose-s0.json",
+        "prose-s1-distill.json",
+        "prose-s1.json",
+    ]
+    assert sorted(r["run"] for r in reports["prose-s1.json"]["runs"]) == [
+        "base-fp8-f1-s1", "base-lossless-f1-s1", "base-q4-f1-s1"
+    ]  # fmt: skip
+    assert [r["run"] for r in reports["prose-s0-distill.json"]["runs"]] == ["distill-lossless-f1-s0"]
+    # the first seed's process extracted the three caches; every other one found them complete
+    for name, report in reports.items():
+        extracted = {k: v for k, v in report["seconds"].items() if k.startswith("extract")}
+        assert len(extracted) == (3 if name == "prose-s0.json" else len(extracted))
+        if name != "prose-s0.json":
+            assert all(v < 1 for v in extracted.values()), (name, extracted)

@@ -33,6 +33,25 @@ def round_trip(codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return codec.decode(frame, tuple(x.shape), "bfloat16").float(), len(frame)
 
 
+def decoded_layers(
+    codec: Codec, states: list[torch.Tensor], layer_delta: bool
+) -> tuple[list[torch.Tensor], int]:
+    """One sample's stored layers as a reader would decode them (float32), and their encoded bytes: each layer
+    encoded directly, or (`layer_delta`) every layer after the first as its difference from the reader's
+    reconstruction of the layer before (closed loop: the errors do not add up)."""
+    out: list[torch.Tensor] = []
+    total = 0
+    for x in states:
+        if layer_delta and out:
+            d, n = round_trip(codec, x - out[-1])
+            out.append(out[-1] + d)
+        else:
+            y, n = round_trip(codec, x)
+            out.append(y)
+        total += n
+    return out, total
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cache", nargs="?", help="a lossless cache directory")
@@ -64,18 +83,13 @@ def measure(path: Path, args: argparse.Namespace) -> int:
         for row in rows:
             sample = cache.read(row)
             states = [sample.hidden[layer].float() for layer in layers]
-            rec = None
-            for k, x in enumerate(states):
-                norm = x.norm().clamp_min(1e-12)
-                y, n = round_trip(codec, x)
-                err["direct"][k] += float((y - x).norm() / norm)
-                size["direct"] += n
-                d, n = round_trip(codec, x if rec is None else x - rec)
-                rec = d if rec is None else rec + d
-                err["delta"][k] += float((rec - x).norm() / norm)
-                size["delta"] += n
-                if k:
-                    err["gap"][k] += float((x - states[k - 1]).norm() / norm)
+            for way in ("direct", "delta"):
+                ys, n = decoded_layers(codec, states, way == "delta")
+                size[way] += n
+                for k, (x, y) in enumerate(zip(states, ys, strict=True)):
+                    err[way][k] += float((y - x).norm() / x.norm().clamp_min(1e-12))
+            for k in range(1, len(states)):
+                err["gap"][k] += float((states[k] - states[k - 1]).norm() / states[k].norm().clamp_min(1e-12))
     print(f"{args.codec}, {len(rows)} rows of {path}: mean relative error per stored layer")
     print(f"{'layer':>6}{'direct':>10}{'delta':>10}{'|x_k - x_k-1| / |x_k|':>26}")
     for k, layer in enumerate(layers):

@@ -169,9 +169,10 @@ def _merge_across_rows(reports: dict[Path, dict[str, Any]], base: dict[str, Any]
             entries.append({**entry, "rows_sha256": rows})
     instances: dict[str, dict[str, Any]] = {}
     for path, report in reports.items():
-        instance = instances.setdefault(_rows_of(report), {"prompt_lookup": report["baselines"]["prompt_lookup"],
-                                                           "reports": []})  # fmt: skip
-        instance["reports"].append(str(path))
+        rows = _rows_of(report)
+        if rows not in instances:
+            instances[rows] = {"prompt_lookup": report["baselines"]["prompt_lookup"], "reports": []}
+        instances[rows]["reports"].append(str(path))
     return {
         **{k: base[k] for k in KEPT if k not in ("runs", "data", "baselines")},
         "data_order": base["data_order"],

@@ -10,6 +10,7 @@
 # Reports: W/T-sS.json (codecs) and W/T-sS-distill.json, merged by `bench/quality_merge.py --across-rows` with
 # other sessions' (a target rebuilt on another machine has the same weights, other rows). On one H100, code's
 # seed 2 with its distilled run (four runs) took 4 min of build, 1.5 of extraction and 11 of training.
+# ROWS_CHECK=N also runs `bench_target_determinism.py --rows N` beside the build (W/rows-determinism.txt).
 # BUILD_ARGS adds flags to the build: the hybrid's `--gen-batch 4160 --compile-target reduce-overhead` (its rows in
 # about a minute, BENCHMARKS.md's hybrid sections).
 # SIZE=ci DEVICE=cpu RECIPE=size DEVICE_ENV_NO_WHEELS=1 runs the same steps on a CPU box in a minute (a check of
@@ -21,6 +22,12 @@ SEEDS=${3:?seeds, e.g. "0 1"}
 DISTILL=${4:-}
 S="--size ${SIZE:-full} --device ${DEVICE:-cuda}"
 source bench/device_env.sh
+if [ -n "${ROWS_CHECK:-}" ]; then
+  # beside the build (~1 min): the target's shape trained twice, N greedy rows generated twice per build; do two
+  # generations in one process agree (so the rows' differing between machines is the machine, not a kernel)?
+  python3 bench/bench_target_determinism.py $S --target "$T" --steps 300 --builds 1 --rows "$ROWS_CHECK" \
+    >"$W/rows-determinism.txt" 2>&1 &
+fi
 echo "== build $T $(date +%T)"
 python3 bench/bench_quality.py --work "$W/$T" --target "$T" $S --stop-after data ${BUILD_ARGS:-} >"$W/build.log" 2>&1 ||
   exit

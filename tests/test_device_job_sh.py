@@ -7,6 +7,9 @@ import os
 import subprocess
 from pathlib import Path
 
+from bench import quality_merge
+from bench.quality_gaps import codec_gaps
+
 SCRIPT = Path(__file__).parents[1] / "bench" / "device_job.sh"
 
 
@@ -92,3 +95,23 @@ def test_the_seeds_job_extracts_each_cache_once_and_reports_every_seed_and_disti
         assert len(extracted) == (3 if name == "prose-s0.json" else len(extracted))
         if name != "prose-s0.json":
             assert all(v < 1 for v in extracted.values()), (name, extracted)
+
+
+def test_the_layer_delta_job_trains_q4_and_its_simulated_delta_beside_lossless(tmp_path: Path) -> None:
+    # bench/jobs/layer_delta.sh at the CI size on this CPU: two reports that merge into q4 and q4delta gaps
+    work, out = tmp_path / "q", tmp_path / "out"
+    repo = SCRIPT.parents[1]
+    env = {**os.environ, "SIZE": "ci", "DEVICE": "cpu", "RECIPE": "size", "OMP_NUM_THREADS": "1"}
+    env["DEVICE_ENV_NO_WHEELS"] = "1"
+    start = ["bash", str(SCRIPT), "start", str(work), "bench/jobs/layer_delta.sh", "code", "1"]
+    subprocess.run(start, cwd=repo, env=env, check=True, capture_output=True, timeout=30)
+    poll = ["bash", str(SCRIPT), "poll", str(work), "600", str(out)]
+    subprocess.run(poll, env={**env, "POLL_EVERY": "1"}, check=True, capture_output=True, timeout=660)
+    assert (out / "job.log").read_text().splitlines()[-1] == "== exit 0"
+    assert sorted(p.name for p in out.glob("*.json")) == ["code-s1-q4.json", "code-s1-q4delta.json"]
+    delta = json.loads((out / "code-s1-q4delta.json").read_text())
+    assert [r["run"] for r in delta["runs"]] == ["base-q4delta-f1-s1"] and "layer-delta" in delta["simulated"]
+    merged = quality_merge.merge(
+        {p: quality_merge.read_report(p) for p in (out / "code-s1-q4.json", out / "code-s1-q4delta.json")}
+    )
+    assert sorted(g["codec"] for g in codec_gaps(merged["runs"])) == ["q4", "q4delta"]

@@ -23,7 +23,7 @@ DISTILL=${4:-}
 S="--size ${SIZE:-full} --device ${DEVICE:-cuda}"
 source bench/device_env.sh
 if [ -n "${ROWS_CHECK:-}" ]; then
-  # beside the build (~1 min): the target's shape trained twice, N greedy rows generated twice per build; do two
+  # beside the build (~1 min): the target's shape trained once and N greedy rows generated twice from it; do two
   # generations in one process agree (so the rows' differing between machines is the machine, not a kernel)?
   python3 bench/bench_target_determinism.py $S --target "$T" --steps 300 --builds 1 --rows "$ROWS_CHECK" \
     >"$W/rows-determinism.txt" 2>&1 &

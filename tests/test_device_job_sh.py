@@ -117,3 +117,18 @@ def test_the_layer_delta_job_trains_q4_and_its_simulated_delta_beside_lossless(t
         {p: quality_merge.read_report(p) for p in (out / "code-s1-q4.json", out / "code-s1-q4delta.json")}
     )
     assert sorted(g["codec"] for g in codec_gaps(merged["runs"])) == ["q4", "q4delta"]
+
+
+def test_await_cache_fails_once_the_process_making_the_cache_has_ended(tmp_path: Path) -> None:
+    # a first extraction that fails must not leave the job waiting out the device session
+    script = SCRIPT.parent / "jobs" / "await_cache.sh"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    env = {**os.environ, "AWAIT_EVERY": "0.1"}
+    done = subprocess.run(["bash", str(script), str(tmp_path / "c"), str(gone.pid)], capture_output=True,
+                          text=True, timeout=20, env=env)  # fmt: skip
+    assert done.returncode == 1 and "has ended" in done.stderr
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "manifest.json").write_text('{"complete": true}')
+    done = subprocess.run(["bash", str(script), str(tmp_path / "c"), str(gone.pid)], timeout=20, env=env)
+    assert done.returncode == 0  # complete: the process's end does not matter

@@ -42,7 +42,7 @@ for seed in $SEEDS; do
   if [ "$first" = 1 ]; then
     # where bench_quality keeps a target's phases (bench/quality_pack.target_work): code in W itself
     caches="$W/$T"; [ "$T" = code ] || caches="$W/$T/$T"
-    for c in lossless fp8 q4; do bash bench/jobs/await_cache.sh "$caches/cache-$c"; done
+    for c in lossless fp8 q4; do bash bench/jobs/await_cache.sh "$caches/cache-$c" $! || exit; done
     first=0
   fi
   if [ "$DISTILL" = distill ]; then

@@ -63,6 +63,7 @@ from bench.quality_phases import (
     phase_run,
     phase_target,
     stop_children_on_signals,
+    unmade_caches,
     write_heldout_files,
 )
 from bench.quality_report import Scorer, data_order, print_table, summarize
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=".bench/quality", help="phase outputs (reused when present)")
     p.add_argument(
         "--codecs",
-        help="comma-separated caches to extract and train on (default: the size's)",
+        help="comma-separated caches to extract and train on (default: the size's); a name that is no codec "
+        "trains on the complete W/cache-NAME already there (a simulated codec: bench/simulate_codec.py)",
     )
     p.add_argument(
         "--score-on",
@@ -166,6 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     mismatch = work_mismatch(work, size)
     if mismatch:
         raise SystemExit(f"error: --size {size_name} --target {args.target}: {mismatch}; use another --work")
+    unmade = unmade_caches(
+        work, [*(args.codecs.split(",") if args.codecs else []), *filter(None, [args.score_on])]
+    )
+    if unmade:
+        raise SystemExit(
+            f"error: --codecs {','.join(unmade)}: no dflash codec, and no complete cache to train on at "
+            f"{', '.join(str(work / f'cache-{c}') for c in unmade)} (bench/simulate_codec.py writes one)"
+        )
     seconds: dict[str, float] = {}
 
     def timed(name: str, fn: Any) -> Any:

@@ -156,8 +156,12 @@ def _merge_across_rows(reports: dict[Path, dict[str, Any]], base: dict[str, Any]
     """Runs of several rows instances, each entry marked with its instance; a seed on two is refused."""
     instance_of_seed: dict[int, tuple[str, Path]] = {}
     entries = []
+    instances: dict[str, dict[str, Any]] = {}
     for path, report in reports.items():
         rows = _rows_of(report)
+        if rows not in instances:
+            instances[rows] = {"prompt_lookup": report["baselines"]["prompt_lookup"], "reports": []}
+        instances[rows]["reports"].append(str(path))
         for entry in report["runs"]:
             seed = Run.from_report(entry).seed
             seen = instance_of_seed.setdefault(seed, (rows, path))
@@ -167,12 +171,6 @@ def _merge_across_rows(reports: dict[Path, dict[str, Any]], base: dict[str, Any]
                     f"{seen[0][:12]}): its pairs would straddle two rows instances"
                 )
             entries.append({**entry, "rows_sha256": rows})
-    instances: dict[str, dict[str, Any]] = {}
-    for path, report in reports.items():
-        rows = _rows_of(report)
-        if rows not in instances:
-            instances[rows] = {"prompt_lookup": report["baselines"]["prompt_lookup"], "reports": []}
-        instances[rows]["reports"].append(str(path))
     return {
         **{k: base[k] for k in KEPT if k not in ("runs", "data", "baselines")},
         "data_order": base["data_order"],

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 from dflash.shards.atomic import atomic_write_json
+from dflash.shards.codecs import codec_names
 from dflash.train.checkpoint import latest_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -165,11 +166,23 @@ def phase_data(work: Path, size: Size, tokenizer: Any, train_files: list, held_f
     return meta
 
 
+def cache_complete(work: Path, codec: str) -> bool:
+    """Whether the work folder's cache of `codec` is complete (its manifest, written last, says so)."""
+    manifest = work / f"cache-{codec}" / "manifest.json"
+    return manifest.is_file() and bool(json.loads(manifest.read_text()).get("complete"))
+
+
+def unmade_caches(work: Path, codecs: list[str]) -> list[str]:
+    """The names among `codecs` that are no dflash codec and have no complete cache of that name to train on:
+    a cache a codec's simulation wrote (`bench/simulate_codec.py --out W/cache-NAME`) trains under its own name,
+    but nothing can extract one."""
+    return [c for c in codecs if c not in codec_names() and not cache_complete(work, c)]
+
+
 def phase_cache(work: Path, codec: str, device: str, token_budget: int) -> Path:
     """The cache of one codec, extracted from the target by the real `dflash-extract` CLI."""
     cache = work / f"cache-{codec}"
-    manifest = cache / "manifest.json"
-    if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
+    if cache_complete(work, codec):
         return cache
     cmd = _python("dflash.extract.cli", "--target", str(work / "target"), "--dataset", str(work / "data" / "rows.arrow"),
                   "--out", str(cache), "--codec", codec, "--layers", "all", "--device", device, "--no-compile",

@@ -4,6 +4,7 @@ for bit), so a drafter trained on it is the one that codec's cache would train, 
 the stored order are the same for every codec of a cache):
 
     python bench/simulate_codec.py W/cache-lossless W/cache-q4delta --codec q4 --layer-delta
+    python bench/bench_quality.py --work W ... --codecs lossless,q4,q4delta   # trains on it as `q4delta`
 
 With `--layer-delta` the codec is one not built: each stored layer after the first kept as its difference from
 the reconstruction of the layer before (closed loop, `bench_layer_delta.py`, which measures its error), so its
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.shards import Cache, convert
+from dflash.shards.cli import run_main
 from dflash.shards.codecs import Codec, LosslessCodec, get_codec
 
 from bench.bench_layer_delta import decoded_layers
@@ -72,4 +74,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, None, "simulate_codec"))

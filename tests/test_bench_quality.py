@@ -366,3 +366,13 @@ def test_quality_resume_goes_on_from_a_finished_run_in_a_copy_as_a_user_would(tm
         quality_resume.main([str(runs), "base-fp8-f1-s0", "more"])
     with pytest.raises(SystemExit, match="not a finished benchmark run"):
         quality_resume.main([str(runs), "nothing", "other"])
+
+
+def test_a_codec_name_with_no_codec_and_no_cache_is_refused_before_any_phase(tmp_path: Path) -> None:
+    # a simulated codec trains on W/cache-NAME (bench/simulate_codec.py); without one nothing could extract it
+    with pytest.raises(SystemExit) as refused:
+        bench_quality.main(ci_argv(tmp_path / "w", "--codecs", "lossless,q4delta"))
+    message = str(refused.value)
+    assert message.startswith("error: --codecs q4delta: no dflash codec") and "\n" not in message
+    assert str(tmp_path / "w" / "cache-q4delta") in message
+    assert not (tmp_path / "w" / "target").exists()  # refused before the target's build

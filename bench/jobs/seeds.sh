@@ -22,6 +22,7 @@ SEEDS=${3:?seeds, e.g. "0 1"}
 DISTILL=${4:-}
 S="--size ${SIZE:-full} --device ${DEVICE:-cuda}"
 source bench/device_env.sh
+source bench/jobs/lib.sh
 if [ -n "${ROWS_CHECK:-}" ]; then
   # beside the build (~1 min): the target's shape trained once and N greedy rows generated twice from it; do two
   # generations in one process agree (so the rows' differing between machines is the machine, not a kernel)?
@@ -40,8 +41,7 @@ for seed in $SEEDS; do
   $B --codecs lossless,fp8,q4 --parallel 3 --first-seed "$seed" --runs-dir "runs-s$seed" --json "$W/$T-s$seed.json" \
     >"$W/$T-s$seed.log" 2>&1 &
   if [ "$first" = 1 ]; then
-    # where bench_quality keeps a target's phases (bench/quality_pack.target_work): code in W itself
-    caches="$W/$T"; [ "$T" = code ] || caches="$W/$T/$T"
+    caches=$(target_work "$W/$T" "$T")
     for c in lossless fp8 q4; do bash bench/jobs/await_cache.sh "$caches/cache-$c" $! || exit; done
     first=0
   fi

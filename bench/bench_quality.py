@@ -116,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         "defaults as a new user runs them (its epochs set the length)",
     )  # fmt: skip
     p.add_argument("--steps", type=int, help="override the recipe's training steps")
+    p.add_argument(
+        "--curves", choices=("first", "all"), default="first",
+        help="which runs evaluate along the way: the first codec's first seed (of each variant), or all "
+        "(~7 s an evaluation on an H100; a device job cut short still has every pair at the steps both ran: "
+        "bench/quality_curves.py)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the target and data")
     p.add_argument(
         "--gen-batch", type=int,
@@ -216,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         extractor.shutdown(wait=True)
         pack_triton()
         return 0 if all(f.exception() is None for f in caches.values()) else 1
-    runs = plan_runs(work / args.runs_dir, size, codecs, parse_variants(args.variants), args.first_seed)
+    variants = parse_variants(args.variants)
+    runs = plan_runs(work / args.runs_dir, size, codecs, variants, args.first_seed, args.curves == "all")
     write_heldout_files(work / args.runs_dir, meta, size.fractions)
     extra = args.train_args.split()
 

@@ -8,9 +8,10 @@
 # The job marks its steps with lines starting "== " (echo "== build $(date +%T)"); `start` ends its log with
 # "== exit CODE". `poll` prints, every POLL_EVERY seconds (60), the log's last step line when it changed and each
 # training run's last logged step under W (metrics.jsonl), until the job has ended or SECONDS pass, and copies
-# into $OUT (or DEST, poll's fourth argument): job.log, W's *.json and *.txt (reports, tables) and one file of
-# every other W/*.log's last 40 lines (logs.tail). A device call brings back 8 files: keep the job's *.json and
-# *.txt to six. Each call must be sent at once after the last (a warm machine waits 30 s); one that lands on a fresh
+# into $OUT (or DEST, poll's fourth argument): job.log, W's *.json and *.txt (reports, tables), one file of
+# every other W/*.log's last 40 lines (logs.tail) and every run's evaluations so far with its pairs' gaps at the
+# same steps (curves.txt, bench/quality_curves.py: what a job cut at the session's end still measured). A device
+# call brings back 8 files: keep the job's *.json and *.txt to five. Each call must be sent at once after the last (a warm machine waits 30 s); one that lands on a fresh
 # machine finds no job and ends at once with status 3. bench/jobs/ holds jobs.
 set -u
 cmd=${1:?start or poll}
@@ -43,6 +44,9 @@ poll)
       for f in "$work"/*.log; do
         [ "$f" = "$work/job.log" ] || { echo "== $(basename "$f")"; tail -n 40 "$f"; }
       done >"$dest/logs.tail"
+      # every run's evaluations so far and its pairs' gaps (dflash as device_env.sh exposed it to the job)
+      PYTHONPATH="/tmp/ns${PYTHONPATH:+:$PYTHONPATH}" python3 "$(dirname "$0")/quality_curves.py" "$work" \
+        >"$dest/curves.txt" 2>&1
     fi
     step=$(grep '^== ' "$work/job.log" | tail -n 1)
     if [ "$step" != "$shown" ]; then echo "$(date +%T) $step"; shown=$step; fi

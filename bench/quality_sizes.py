@@ -267,11 +267,17 @@ def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
 
 
 def plan_runs(
-    root: Path, size: Size, codecs: list[str], variants: dict[str, tuple[str, ...]], first_seed: int = 0
+    root: Path,
+    size: Size,
+    codecs: list[str],
+    variants: dict[str, tuple[str, ...]],
+    first_seed: int = 0,
+    every_curve: bool = False,
 ) -> list[Run]:
     """Every variant x codec x seed (`size.seeds` of them from `first_seed`) on all training rows; the
     data-size curve for the first variant, codec and seed. Each variant's first-seed, all-rows run of the
-    first codec also evaluates along the way (tau vs steps); the others evaluate at their end only."""
+    first codec also evaluates along the way (tau vs steps); the others evaluate at their end only, or, with
+    `every_curve`, every all-rows run evaluates along the way (a device job cut short keeps its pairs)."""
     runs = []
     for v, flags in variants.items():
         for s in range(first_seed, first_seed + size.seeds):
@@ -286,7 +292,7 @@ def plan_runs(
                         fraction=f,
                         seed=s,
                         dir=root,
-                        curve=f == 1.0 and s == first_seed and c == codecs[0],
+                        curve=f == 1.0 and (every_curve or (s == first_seed and c == codecs[0])),
                     )
                     run.dir = root / run.name
                     runs.append(run)

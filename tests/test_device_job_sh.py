@@ -87,6 +87,11 @@ def test_the_seeds_job_extracts_each_cache_once_and_reports_every_seed_and_disti
         "base-fp8-f1-s1", "base-lossless-f1-s1", "base-q4-f1-s1"
     ]  # fmt: skip
     assert [r["run"] for r in reports["prose-s0-distill.json"]["runs"]] == ["distill-lossless-f1-s0"]
+    # every run evaluated along the way: a job cut before its end would still have brought back each pair
+    curves = (out / "curves.txt").read_text().splitlines()
+    for pair in ("q4 vs lossless (base)", "fp8 vs lossless (base)", "distill vs base (lossless)"):
+        # one line a step, each seed's gap on it
+        assert any(f"{pair}, seeds s0 " in line and ", s1 " in line for line in curves), curves
     # the first seed's process extracted the three caches; every other one found them complete
     for name, report in reports.items():
         # (a dflash-extract run starts a python with torch: seconds; a complete cache is taken at once)

@@ -209,6 +209,30 @@ def test_default_layer_ids_must_be_cached(tmp_path: Path) -> None:
         train(tiny_debug(str(cache), str(tmp_path / "run"), max_steps=1))
 
 
+def test_evaluating_along_the_way_leaves_training_unchanged(cache_dir: Path, tmp_path: Path) -> None:
+    # bench/quality_curves.py compares two runs at the steps both evaluated; only fair if an evaluation draws
+    # from its own generator and leaves the model, optimizer and data order as it found them
+    def trajectory(eval_every: int) -> tuple[list[tuple], int]:
+        run = tmp_path / f"every-{eval_every}"
+        cfg = tiny_debug(
+            str(cache_dir),
+            str(run),
+            max_steps=6,
+            eval_every=eval_every,
+            log_every=1,
+            tensorboard=False,
+            plots=False,
+        )
+        train(cfg)
+        rows = read_metrics(run)
+        steps = [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in rows if "loss" in r]
+        return steps, sum("tau_walk" in r for r in rows)
+
+    (alone, _), (evaluated, evaluations) = trajectory(0), trajectory(2)
+    assert evaluations >= 2 and len(alone) == 6
+    assert evaluated == alone
+
+
 def test_kill9_then_resume_reproduces_the_losses_exactly(cache_dir: Path, tmp_path: Path) -> None:
     flags = [
         "--preset",

@@ -24,6 +24,6 @@ python3 bench/simulate_codec.py "$caches/cache-lossless" "$caches/cache-q4delta"
 source bench/cuda_mps.sh /tmp/mps
 echo "== train $(date +%T)"
 python3 bench/bench_quality.py $S --recipe "${RECIPE:-defaults}" --score-on lossless --fractions 1 --seeds 1 \
-  --work "$W/$T" --target "$T" --codecs lossless,q4,q4delta --parallel 3 --first-seed "$SEED" \
+  --curves all --work "$W/$T" --target "$T" --codecs lossless,q4,q4delta --parallel 3 --first-seed "$SEED" \
   --runs-dir "runs-s$SEED" --json "$W/$T-s$SEED-q4delta.json" >"$W/$T-s$SEED-q4delta.log" 2>&1
 echo "== done $(date +%T)"

@@ -34,7 +34,7 @@ python3 bench/bench_quality.py --work "$W/$T" --target "$T" $S --stop-after data
   exit
 source bench/cuda_mps.sh /tmp/mps
 B="python3 bench/bench_quality.py $S --recipe ${RECIPE:-defaults} --score-on lossless --fractions 1 --seeds 1
-   --work $W/$T --target $T"
+   --curves all --work $W/$T --target $T"
 first=1
 for seed in $SEEDS; do
   echo "== $T seed $seed, three codecs $(date +%T)"

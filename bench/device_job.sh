@@ -10,9 +10,11 @@
 # training run's last logged step under W (metrics.jsonl), until the job has ended or SECONDS pass, and copies
 # into $OUT (or DEST, poll's fourth argument): job.log, W's *.json and *.txt (reports, tables), one file of
 # every other W/*.log's last 40 lines (logs.tail) and every run's evaluations so far with its pairs' gaps at the
-# same steps (curves.txt, bench/quality_curves.py: what a job cut at the session's end still measured). A device
-# call brings back 8 files: keep the job's *.json and *.txt to five. Each call must be sent at once after the last (a warm machine waits 30 s); one that lands on a fresh
-# machine finds no job and ends at once with status 3. bench/jobs/ holds jobs.
+# same steps (curves.txt, bench/quality_curves.py: what a job cut at the session's end still measured), and the
+# tar parts of a job's W/pack (PACK=1 in bench/jobs/lib.sh) into DEST/pack. A device call brings back 8 files:
+# keep the job's *.json and *.txt to five, three with a pack (two parts). Each call must be sent at once after
+# the last (a warm machine waits 30 s); one that lands on a fresh machine finds no job and ends at once with
+# status 3. bench/jobs/ holds jobs.
 set -u
 cmd=${1:?start or poll}
 work=${2:?work folder}
@@ -41,6 +43,7 @@ poll)
       mkdir -p "$dest"
       cp "$work/job.log" "$dest/"
       for f in "$work"/*.json "$work"/*.txt; do [ -f "$f" ] && cp "$f" "$dest/"; done
+      if [ -d "$work/pack" ]; then mkdir -p "$dest/pack" && cp "$work/pack"/* "$dest/pack/"; fi
       for f in "$work"/*.log; do
         [ "$f" = "$work/job.log" ] || { echo "== $(basename "$f")"; tail -n 40 "$f"; }
       done >"$dest/logs.tail"

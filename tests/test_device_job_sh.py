@@ -58,10 +58,10 @@ def test_poll_stops_after_its_seconds_while_the_job_runs_on(tmp_path: Path) -> N
         subprocess.run(["pkill", "-f", str(job)], check=False)
 
 
-def _cpu_job(tmp_path: Path, *job: str) -> Path:
+def _cpu_job(tmp_path: Path, *job: str, name: str = "q", **env_vars: str) -> Path:
     """`device_job.sh start` of a bench/jobs/ job at the CI size on this CPU, polled to its end: what came back."""
-    work, out = tmp_path / "q", tmp_path / "out"
-    env = {**os.environ, "SIZE": "ci", "DEVICE": "cpu", "RECIPE": "size", "OMP_NUM_THREADS": "1"}
+    work, out = tmp_path / name, tmp_path / f"{name}-out"
+    env = {**os.environ, "SIZE": "ci", "DEVICE": "cpu", "RECIPE": "size", "OMP_NUM_THREADS": "1", **env_vars}
     env["DEVICE_ENV_NO_WHEELS"] = "1"
     start = ["bash", str(SCRIPT), "start", str(work), *job]
     subprocess.run(start, cwd=SCRIPT.parents[1], env=env, check=True, capture_output=True, timeout=30)
@@ -75,7 +75,7 @@ def test_the_seeds_job_extracts_each_cache_once_and_reports_every_seed_and_disti
     tmp_path: Path,
 ) -> None:
     # bench/jobs/seeds.sh: the steps a device session runs, end to end
-    out = _cpu_job(tmp_path, "bench/jobs/seeds.sh", "prose", "0 1", "distill")
+    out = _cpu_job(tmp_path, "bench/jobs/seeds.sh", "prose", "0 1", "distill", PACK="1")
     reports = {p.name: json.loads(p.read_text()) for p in out.glob("*.json")}
     assert sorted(reports) == [
         "prose-s0-distill.json",
@@ -100,6 +100,14 @@ def test_the_seeds_job_extracts_each_cache_once_and_reports_every_seed_and_disti
             assert len(extracted) == 3 and all(v >= 1 for v in extracted.values()), extracted
         else:
             assert extracted and all(v < 1 for v in extracted.values()), (name, extracted)
+    # PACK=1: the built target and rows came back; a later job (a fresh machine) starts from them, builds nothing
+    parts = sorted(p.name for p in (out / "pack").iterdir())
+    assert parts and all(p.startswith("quality-work-prose.") for p in parts), parts
+    again = _cpu_job(tmp_path, "bench/jobs/seeds.sh", "prose", "2", name="again", UNPACK=str(out / "pack"))
+    assert "unpacked target/ and data/" in (tmp_path / "again" / "build.log").read_text()
+    (later,) = [json.loads(p.read_text()) for p in again.glob("*.json")]
+    for part in ("target", "data"):
+        assert later[part] == reports["prose-s0.json"][part]  # the same weights, corpus and rows' digests
 
 
 def test_the_layer_delta_job_trains_q4_and_its_simulated_delta_beside_lossless(tmp_path: Path) -> None:

@@ -15,8 +15,7 @@ S="--size ${SIZE:-full} --device ${DEVICE:-cuda}"
 source bench/device_env.sh
 source bench/jobs/lib.sh
 echo "== build $T $(date +%T)"
-python3 bench/bench_quality.py --work "$W/$T" --target "$T" $S --codecs lossless,q4 --stop-after extract \
-  ${BUILD_ARGS:-} >"$W/build.log" 2>&1 || exit
+build_target "$W" "$T" extract $S --codecs lossless,q4 ${BUILD_ARGS:-} || exit
 caches=$(target_work "$W/$T" "$T")
 echo "== simulate $(date +%T)"
 python3 bench/simulate_codec.py "$caches/cache-lossless" "$caches/cache-q4delta" --codec q4 --layer-delta \
@@ -26,4 +25,5 @@ echo "== train $(date +%T)"
 python3 bench/bench_quality.py $S --recipe "${RECIPE:-defaults}" --score-on lossless --fractions 1 --seeds 1 \
   --curves all --work "$W/$T" --target "$T" --codecs lossless,q4,q4delta --parallel 3 --first-seed "$SEED" \
   --runs-dir "runs-s$SEED" --json "$W/$T-s$SEED-q4delta.json" >"$W/$T-s$SEED-q4delta.log" 2>&1
+wait
 echo "== done $(date +%T)"

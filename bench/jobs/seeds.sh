@@ -9,7 +9,10 @@
 # the three caches; the other processes start once those are complete and reuse them (never extract beside it).
 # Reports: W/T-sS.json (codecs) and W/T-sS-distill.json, merged by `bench/quality_merge.py --across-rows` with
 # other sessions' (a target rebuilt on another machine has the same weights, other rows). On one H100, code's
-# seed 2 with its distilled run (four runs) took 4 min of build, 1.5 of extraction and 11 of training.
+# seed 2 with its distilled run (four runs) took 4 min of build, 1.5 of extraction and 11 of training; on one
+# H200, prose's seed 0 with its distilled run 5 of build (BUILD_ARGS="--gen-batch 4160"), 3.7 of extraction and
+# 11 of training. UNPACK=DIR / PACK=1 (bench/jobs/lib.sh's build_target): start from a pack an earlier job
+# brought back (carry it) instead of building; pack this build for a later session.
 # ROWS_CHECK=N also runs `bench_target_determinism.py --rows N` beside the build (W/rows-determinism.txt).
 # BUILD_ARGS adds flags to the build: the hybrid's `--gen-batch 4160 --compile-target reduce-overhead` (its rows in
 # about a minute, BENCHMARKS.md's hybrid sections).
@@ -30,8 +33,7 @@ if [ -n "${ROWS_CHECK:-}" ]; then
     >"$W/rows-determinism.txt" 2>&1 &
 fi
 echo "== build $T $(date +%T)"
-python3 bench/bench_quality.py --work "$W/$T" --target "$T" $S --stop-after data ${BUILD_ARGS:-} >"$W/build.log" 2>&1 ||
-  exit
+build_target "$W" "$T" data $S ${BUILD_ARGS:-} || exit
 source bench/cuda_mps.sh /tmp/mps
 B="python3 bench/bench_quality.py $S --recipe ${RECIPE:-defaults} --score-on lossless --fractions 1 --seeds 1
    --curves all --work $W/$T --target $T"

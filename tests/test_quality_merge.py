@@ -345,3 +345,23 @@ def test_the_recorded_cpu_layer_delta_seeds_give_benchmarks_numbers() -> None:
     assert (
         round(gaps["q4delta"]["mean_of_gaps"], 3) == -0.002 and round(gaps["q4"]["mean_of_gaps"], 3) == -0.003
     )
+
+
+def test_the_recorded_prose_codec_seeds_give_benchmarks_numbers() -> None:
+    # BENCHMARKS.md, "Prose's seed 0": fp8 +0.3%, q4 +0.2%, distilled +0.9% (an H200's instance); seed 2's
+    # -0.2% / -0.1% on the H100's instance, whose other weights no merge pairs with it
+    names = ["s0-codecs-h200", "s0-distill-h200"]
+    reports = [REPORTS / f"prose-full-defaults-{n}.json" for n in names]
+    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in reports})
+    gaps = {g["codec"]: g for g in codec_gaps(merged["runs"])}
+    assert [round(gaps[c]["per_seed"][0], 3) for c in ("fp8", "q4")] == [0.003, 0.002]
+    (distill,) = variant_gaps(merged["runs"])
+    assert round(distill["per_seed"][0], 3) == 0.009 and round(distill["per_seed_rows_se"][0], 3) == 0.002
+    h100 = [REPORTS / f"prose-full-defaults-s2{n}-h100.json" for n in ("", "-q4")]
+    gaps = {
+        g["codec"]: g
+        for g in codec_gaps(quality_merge.merge({p: quality_merge.read_report(p) for p in h100})["runs"])
+    }
+    assert [round(gaps[c]["per_seed"][0], 3) for c in ("fp8", "q4")] == [-0.002, -0.001]
+    with pytest.raises(SystemExit, match="another target weights"):
+        quality_merge.merge({p: quality_merge.read_report(p) for p in [*reports, *h100]}, across_rows=True)

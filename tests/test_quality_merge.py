@@ -365,3 +365,11 @@ def test_the_recorded_prose_codec_seeds_give_benchmarks_numbers() -> None:
     assert [round(gaps[c]["per_seed"][0], 3) for c in ("fp8", "q4")] == [-0.002, -0.001]
     with pytest.raises(SystemExit, match="another target weights"):
         quality_merge.merge({p: quality_merge.read_report(p) for p in [*reports, *h100]}, across_rows=True)
+
+
+def test_the_recorded_cpu_size_hybrid_distillation_gives_benchmarks_numbers() -> None:
+    # BENCHMARKS.md, "Prose's seed 0 on an H200": on the hybrid at the CPU size, --distill 0.5 +0.2% / +0.1%
+    report = quality_merge.read_report(REPORTS / "cpu-hybrid-distill-s0-s1.json")
+    (gap,) = variant_gaps(report["runs"])
+    assert (gap["variant"], gap["reference"], gap["codec"]) == ("distill", "hard", "fp8")
+    assert [round(g, 3) for g in gap["per_seed"]] == [0.002, 0.001]

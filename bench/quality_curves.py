@@ -18,14 +18,23 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_gaps import codec_gaps, variant_gaps
+from bench.quality_sizes import Run
+
+
+def _is_run(name: str) -> bool:
+    """A folder named as the benchmark names a run (`Run.name`: VARIANT-CODEC-fF-sS), which the gaps parse."""
+    try:
+        return Run.from_report({"run": name}).name == name
+    except ValueError:
+        return False
 
 
 def read_curves(work: Path) -> dict[str, list[dict[str, Any]]]:
     """Run name -> its evaluations (`step`, `tau_walk`, ...) in step order, from each RUN/metrics.jsonl under
-    `work` (a run is a folder named VARIANT-CODEC-fF-sS; a line still being written is skipped)."""
+    `work` (other folders' are not runs; a line still being written is skipped)."""
     curves: dict[str, list[dict[str, Any]]] = {}
     for metrics in sorted(work.rglob("metrics.jsonl")):
-        if metrics.parent.name.count("-") < 3:
+        if not _is_run(metrics.parent.name):
             continue
         points = []
         for line in metrics.read_text().splitlines():

@@ -26,6 +26,7 @@ def test_pairs_are_compared_at_each_step_both_runs_evaluated(tmp_path: Path) -> 
     _metrics(tmp_path / "runs-distill-s0" / "distill-lossless-f1-s0", {1000: 3.06})
     _metrics(tmp_path / "runs-s1" / "base-fp8-f1-s1", {1000: 3.3})  # no lossless run of seed 1: no pair
     _metrics(tmp_path / "target", {100: 9.9})  # not a benchmark run's folder
+    _metrics(tmp_path / "runs-s0" / "old-q4-run-copy", {100: 9.9})  # dashes, but no fraction and seed
     curves = read_curves(tmp_path)
     assert sorted(curves) == [
         "base-fp8-f1-s1",

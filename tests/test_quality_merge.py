@@ -30,6 +30,11 @@ def _report(walks: dict[str, float], weights: str = "w0") -> dict:
     }  # fmt: skip
 
 
+def _merged(paths: list[Path], **kwargs: bool) -> dict:
+    """The recorded reports at `paths` merged as `quality_merge.py` merges them."""
+    return quality_merge.merge({p: quality_merge.read_report(p) for p in paths}, **kwargs)
+
+
 def _write(path: Path, report: dict) -> Path:
     path.write_text(json.dumps(report))
     return path
@@ -155,7 +160,7 @@ def test_the_recorded_hybrid_codec_seeds_give_benchmarks_numbers(capsys) -> None
     # BENCHMARKS.md, "The hybrid's codecs, a second seed": fp8 -1.0% and q4 +1.2% over the two seeds.
     reports = [REPORTS / f"hybrid-defaults-codecs-s{seed}.json" for seed in (0, 1)]  # later seeds add files
     assert quality_merge.main([str(p) for p in reports]) == 0
-    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in reports})
+    merged = _merged(reports)
     gaps = {g["codec"]: g for g in codec_gaps(merged["runs"])}
     assert round(gaps["fp8"]["gap_of_means"], 3) == -0.01 and round(gaps["q4"]["gap_of_means"], 3) == 0.012
     assert "6 runs from 2 reports" in capsys.readouterr().out
@@ -187,7 +192,7 @@ def test_a_seeds_codec_gap_carries_the_held_out_rows_error_where_both_runs_kept_
 def test_the_recorded_cpu_size_seeds_give_benchmarks_numbers() -> None:
     # BENCHMARKS.md, "The walk's error over the held-out rows": fp8 -0.6% ± 0.6% and +0.1% ± 0.4% per seed.
     reports = [REPORTS / f"cpu-code-codecs-s{seed}.json" for seed in (0, 1)]
-    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in reports})
+    merged = _merged(reports)
     (gap,) = codec_gaps(merged["runs"])
     assert [round(g, 3) for g in gap["per_seed"]] == [-0.006, 0.001]
     assert [round(se, 3) for se in gap["per_seed_rows_se"]] == [0.006, 0.004]
@@ -209,7 +214,7 @@ def test_the_recorded_cpu_size_seeds_on_spans_give_benchmarks_numbers() -> None:
     gains = sorted(round(r["tau_walk"] / shards[r["run"]]["tau_walk"] - 1, 3) for r in spans["runs"])
     assert gains == [0.014, 0.02, 0.025, 0.03]
     prose = [REPORTS / f"cpu-prose-order-s{seed}.json" for seed in (0, 1)]  # both orders side by side
-    (gap,) = variant_gaps(quality_merge.merge({p: quality_merge.read_report(p) for p in prose})["runs"])
+    (gap,) = variant_gaps(_merged(prose)["runs"])
     assert (gap["variant"], gap["reference"]) == ("shards", "base")
     assert [round(g, 3) for g in gap["per_seed"]] == [-0.028, -0.017]
     reach = quality_merge.read_report(
@@ -267,7 +272,7 @@ def test_variants_pair_with_the_first_variant_of_their_codec_and_seed(capsys) ->
 def test_the_recorded_cpu_size_distillation_gives_benchmarks_number() -> None:
     # BENCHMARKS.md, "The walk's error over the held-out rows": --distill 0.5 +3.7% ± 1.1% over hard labels.
     reports = [REPORTS / "cpu-code-codecs-s0.json", REPORTS / "cpu-code-distill-s0.json"]
-    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in reports})
+    merged = _merged(reports)
     (gap,) = variant_gaps(merged["runs"])
     assert (gap["variant"], gap["reference"], gap["codec"]) == ("distill", "base", "fp8")
     assert round(gap["per_seed"][0], 3) == 0.037 and round(gap["per_seed_rows_se"][0], 3) == 0.011
@@ -325,7 +330,7 @@ def test_the_recorded_code_seeds_give_benchmarks_numbers_across_rows() -> None:
     # third seed on a rebuilt target's rows; distillation +0.7% / +2.5% there
     names = ["s0", "s0-q4", "s1", "s1-fp8q4", "s2", "s2-distill", "s3-distill"]
     reports = [REPORTS / f"code-full-defaults-{n}-h100.json" for n in names]
-    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in reports}, across_rows=True)
+    merged = _merged(reports, across_rows=True)
     gaps = {g["codec"]: g for g in codec_gaps(merged["runs"])}
     assert [round(g, 3) for g in gaps["fp8"]["per_seed"]] == [-0.005, -0.005, -0.005]
     assert [round(g, 3) for g in gaps["q4"]["per_seed"]] == [-0.01, -0.012, -0.022]
@@ -338,7 +343,7 @@ def test_the_recorded_cpu_layer_delta_seeds_give_benchmarks_numbers() -> None:
     # BENCHMARKS.md, "q4 as layer deltas, simulated": q4 +0.4 / -0.4 / -1.8 / +0.7%, its layer deltas
     # -0.1 / -0.7 / -0.0 / -0.0%
     reports = [REPORTS / f"cpu-code-{c}-s{s}.json" for c in ("q4", "q4delta") for s in (0, 1, 2, 3)]
-    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in reports})
+    merged = _merged(reports)
     gaps = {g["codec"]: g for g in codec_gaps(merged["runs"])}
     assert [round(g, 3) for g in gaps["q4"]["per_seed"]] == [0.004, -0.004, -0.018, 0.007]
     assert [round(g, 3) for g in gaps["q4delta"]["per_seed"]] == [-0.001, -0.007, -0.0, -0.0]
@@ -352,19 +357,16 @@ def test_the_recorded_prose_codec_seeds_give_benchmarks_numbers() -> None:
     # -0.2% / -0.1% on the H100's instance, whose other weights no merge pairs with it
     names = ["s0-codecs-h200", "s0-distill-h200"]
     reports = [REPORTS / f"prose-full-defaults-{n}.json" for n in names]
-    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in reports})
+    merged = _merged(reports)
     gaps = {g["codec"]: g for g in codec_gaps(merged["runs"])}
     assert [round(gaps[c]["per_seed"][0], 3) for c in ("fp8", "q4")] == [0.003, 0.002]
     (distill,) = variant_gaps(merged["runs"])
     assert round(distill["per_seed"][0], 3) == 0.009 and round(distill["per_seed_rows_se"][0], 3) == 0.002
     h100 = [REPORTS / f"prose-full-defaults-s2{n}-h100.json" for n in ("", "-q4")]
-    gaps = {
-        g["codec"]: g
-        for g in codec_gaps(quality_merge.merge({p: quality_merge.read_report(p) for p in h100})["runs"])
-    }
+    gaps = {g["codec"]: g for g in codec_gaps(_merged(h100)["runs"])}
     assert [round(gaps[c]["per_seed"][0], 3) for c in ("fp8", "q4")] == [-0.002, -0.001]
     with pytest.raises(SystemExit, match="another target weights"):
-        quality_merge.merge({p: quality_merge.read_report(p) for p in [*reports, *h100]}, across_rows=True)
+        _merged([*reports, *h100], across_rows=True)
 
 
 def test_the_recorded_cpu_size_hybrid_distillation_gives_benchmarks_numbers() -> None:

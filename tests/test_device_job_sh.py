@@ -110,9 +110,16 @@ def test_the_seeds_job_extracts_each_cache_once_and_reports_every_seed_and_disti
         assert later[part] == reports["prose-s0.json"][part]  # the same weights, corpus and rows' digests
 
 
-def test_the_layer_delta_job_trains_q4_and_its_simulated_delta_beside_lossless(tmp_path: Path) -> None:
-    # bench/jobs/layer_delta.sh: one report, the simulated cache trained under its own name, paired with lossless
-    out = _cpu_job(tmp_path, "bench/jobs/layer_delta.sh", "code", "1")
+def test_the_layer_delta_job_trains_q4_and_its_simulated_delta_beside_lossless_from_a_packed_build(
+    tmp_path: Path,
+) -> None:
+    # bench/jobs/pack.sh: a session's spare device time spent on the build alone; its parts come back, no report
+    packed = _cpu_job(tmp_path, "bench/jobs/pack.sh", "code", name="pack")
+    assert not list(packed.glob("*.json")) and [p.name for p in (packed / "pack").iterdir()]
+    # bench/jobs/layer_delta.sh from that pack (a fresh machine): builds nothing; one report, the simulated cache
+    # trained under its own name, paired with lossless
+    out = _cpu_job(tmp_path, "bench/jobs/layer_delta.sh", "code", "1", UNPACK=str(packed / "pack"))
+    assert "unpacked target/ and data/" in (tmp_path / "q" / "build.log").read_text()
     assert sorted(p.name for p in out.glob("*.json")) == ["code-s1-q4delta.json"]
     report = json.loads((out / "code-s1-q4delta.json").read_text())
     assert sorted(r["run"] for r in report["runs"]) == [

@@ -369,6 +369,21 @@ def test_the_recorded_prose_codec_seeds_give_benchmarks_numbers() -> None:
         _merged([*reports, *h100], across_rows=True)
 
 
+def test_the_recorded_prose_seed_1_gives_benchmarks_numbers_and_pairs_across_rows_with_seed_0() -> None:
+    # BENCHMARKS.md, "Prose's seed 1": fp8 -0.0%, q4 +0.0%, distilled +0.1%, on another H200's rows of the same
+    # weights as seed 0's, so the two seeds merge only as paired gaps
+    names = [f"s{s}-{kind}-h200" for s in (0, 1) for kind in ("codecs", "distill")]
+    reports = [REPORTS / f"prose-full-defaults-{n}.json" for n in names]
+    with pytest.raises(SystemExit, match="another training rows"):
+        _merged(reports)
+    merged = _merged(reports, across_rows=True)
+    gaps = {g["codec"]: g for g in codec_gaps(merged["runs"])}
+    assert [round(g, 3) for g in gaps["fp8"]["per_seed"]] == [0.003, -0.0]
+    assert [round(g, 3) for g in gaps["q4"]["per_seed"]] == [0.002, 0.0]
+    (distill,) = variant_gaps(merged["runs"])
+    assert [round(g, 3) for g in distill["per_seed"]] == [0.009, 0.001]
+
+
 def test_the_recorded_cpu_size_hybrid_distillation_gives_benchmarks_numbers() -> None:
     # BENCHMARKS.md, "Prose's seed 0 on an H200": on the hybrid at the CPU size, --distill 0.5 +0.2% / +0.1%
     report = quality_merge.read_report(REPORTS / "cpu-hybrid-distill-s0-s1.json")

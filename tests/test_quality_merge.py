@@ -384,22 +384,15 @@ def test_the_recorded_prose_seed_1_gives_benchmarks_numbers_and_pairs_across_row
     assert [round(g, 3) for g in distill["per_seed"]] == [0.009, 0.001]
 
 
-def test_the_recorded_cpu_size_hybrid_distillation_gives_benchmarks_numbers() -> None:
-    # BENCHMARKS.md, "Prose's seed 0 on an H200": on the hybrid at the CPU size, --distill 0.5 +0.2% / +0.1%
-    report = quality_merge.read_report(REPORTS / "cpu-hybrid-distill-s0-s1.json")
-    (gap,) = variant_gaps(report["runs"])
-    assert (gap["variant"], gap["reference"], gap["codec"]) == ("distill", "hard", "fp8")
-    assert [round(g, 3) for g in gap["per_seed"]] == [0.002, 0.001]
-
-
 @pytest.mark.parametrize(
-    ("name", "per_seed"), [("distill1", [-0.052, -0.046]), ("distill25", [-0.004, 0.013])]
+    ("name", "per_seed"),
+    [("distill", [0.002, 0.001]), ("distill1", [-0.052, -0.046]), ("distill25", [-0.004, 0.013])],
 )
 def test_the_recorded_cpu_size_hybrid_distillation_weights_give_benchmarks_numbers(
     name: str, per_seed: list[float]
 ) -> None:
-    # BENCHMARKS.md, "Prose's seed 1": on the hybrid at the CPU size, --distill 1.0 -5.2% / -4.6% and --distill
-    # 0.25 -0.4% / +1.3%, against the same hard-label runs as the --distill 0.5 report
+    # BENCHMARKS.md, "Prose's seed 0 on an H200" and "Prose's seed 1": on the hybrid at the CPU size, --distill
+    # 0.5 +0.2% / +0.1%, 1.0 -5.2% / -4.6% and 0.25 -0.4% / +1.3%, all against the same hard-label runs
     report = quality_merge.read_report(REPORTS / f"cpu-hybrid-{name}-s0-s1.json")
     (gap,) = variant_gaps(report["runs"])
     assert (gap["variant"], gap["reference"], gap["codec"]) == (name, "hard", "fp8")

@@ -3,7 +3,7 @@ codec decodes it, stored exactly (bf16 is what fp8 / q6 / q4 decode to, and the 
 for bit), so a drafter trained on it is the one that codec's cache would train, on the same batches (spans of
 the stored order are the same for every codec of a cache):
 
-    python bench/simulate_codec.py W/cache-lossless W/cache-q4delta --codec q4 --layer-delta
+    python bench/simulate_codec.py W/cache-lossless W/cache-q4delta --codec q4 --layer-delta [--device cuda]
     python bench/bench_quality.py --work W ... --codecs lossless,q4,q4delta   # trains on it as `q4delta`
 
 With `--layer-delta` the codec is one not built: each stored layer after the first kept as its difference from
@@ -29,8 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.shards import Cache, convert
 from dflash.shards.cli import run_main
 from dflash.shards.codecs import Codec, LosslessCodec, get_codec
+from dflash.shards.fp8 import Fp8Codec, dequantize_fp8, quantize_fp8
+from dflash.shards.qcodec import QBlock, QCodec, dequantize_q, quantize_q
 
-from bench.bench_layer_delta import decoded_layers
+
+def round_trip_rows(
+    codec: Codec, x: torch.Tensor, lengths: Sequence[int], row_of_token: torch.Tensor
+) -> torch.Tensor:
+    """`codec`'s decode of its encode of each row of `x` [N, H] (rows of `lengths` back to back), as one batch:
+    the bits of encoding and decoding each row alone (every statistic is a row's or a token's), without the
+    frames' zstd, which costs most of a per-row round trip and changes nothing it decodes."""
+    if isinstance(codec, QCodec):
+        codes, groups, scales, channel = quantize_q(x, codec.levels, lengths)
+        return dequantize_q(QBlock(codes, groups, scales, channel), x.dtype, row_of_token=row_of_token)
+    if isinstance(codec, Fp8Codec):
+        return dequantize_fp8(quantize_fp8(x), x.dtype)
+    raise ValueError(f"codec {codec.name!r} has no batched round trip")
 
 
 class DecodedAsLossless(LosslessCodec):
@@ -41,13 +55,20 @@ class DecodedAsLossless(LosslessCodec):
         self.inner, self.layer_delta = inner, layer_delta
 
     def quantize_batch(self, packed: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        out, offset = torch.empty_like(packed), 0
-        for n in map(int, lengths):
-            states = [packed[k, offset : offset + n].float() for k in range(packed.shape[0])]
-            decoded, _ = decoded_layers(self.inner, states, self.layer_delta)
-            for k, y in enumerate(decoded):
-                out[k, offset : offset + n] = y.to(packed.dtype)
-            offset += n
+        """Each layer of the batch decoded as `bench_layer_delta.decoded_layers` decodes a sample's (the same
+        bits: tests), a layer at a time over all rows: layer k's delta is from the reconstruction of k - 1."""
+        lengths = [int(n) for n in lengths]
+        sizes = torch.tensor(lengths, dtype=torch.long, device=packed.device)
+        row_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=packed.device), sizes)
+        out, rec = torch.empty_like(packed), None
+        for k in range(packed.shape[0]):
+            x = packed[k].float()
+            delta = self.layer_delta and rec is not None
+            d = round_trip_rows(
+                self.inner, (x - rec if delta else x).bfloat16(), lengths, row_of_token
+            ).float()
+            rec = rec + d if delta else d
+            out[k] = rec.to(packed.dtype)
         return (out,)
 
 
@@ -58,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", default="q4", choices=("q4", "q6", "fp8"))
     p.add_argument("--layer-delta", action="store_true", help="the codec applied to closed-loop layer deltas")
     p.add_argument("--threads", type=int, default=0, help="encode threads (0: one per core)")
+    p.add_argument(
+        "--device", default="cpu", help="where the codec quantizes: cpu, or cuda as the extractor does"
+    )
     args = p.parse_args(argv)
     with Cache.open(args.source) as source:
         if source.codec.name != "lossless":
@@ -65,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"error: {args.source} is a {source.codec.name} cache; this needs exact states (lossless)"
             )
     codec = DecodedAsLossless(get_codec(args.codec), args.layer_delta)
-    config = convert.ConvertConfig(source=args.source, out=args.out, codec="lossless", threads=args.threads)
+    config = convert.ConvertConfig(
+        source=args.source, out=args.out, codec="lossless", threads=args.threads, device=args.device
+    )
     with mock.patch.object(convert, "get_codec", lambda name: codec):
         result = convert.convert_cache(config)
     print(f"{result.out}: {result.rows} rows, {result.shards} shards; {args.codec}"

@@ -18,8 +18,10 @@ echo "== build $T $(date +%T)"
 build_target "$W" "$T" extract $S --codecs lossless,q4 ${BUILD_ARGS:-} || exit
 caches=$(target_work "$W/$T" "$T")
 echo "== simulate $(date +%T)"
+# on the GPU, idle between extraction and training: on the device's CPUs the full size's 5.3M tokens would take
+# minutes (~11 on two cores; BENCHMARKS.md, "The hybrid's seed 2 on spans")
 python3 bench/simulate_codec.py "$caches/cache-lossless" "$caches/cache-q4delta" --codec q4 --layer-delta \
-  >"$W/simulate.log" 2>&1 || exit
+  --device "${DEVICE:-cuda}" >"$W/simulate.log" 2>&1 || exit
 source bench/cuda_mps.sh /tmp/mps
 echo "== train $(date +%T)"
 python3 bench/bench_quality.py $S --recipe "${RECIPE:-defaults}" --score-on lossless --fractions 1 --seeds 1 \

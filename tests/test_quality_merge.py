@@ -418,3 +418,11 @@ def test_the_recorded_hybrid_seed_2_on_spans_gives_benchmarks_numbers() -> None:
     earlier = [REPORTS / f"hybrid-defaults-codecs-s{seed}.json" for seed in (0, 1)]
     with pytest.raises(SystemExit, match="another target weights"):
         _merged([*earlier, *reports], across_rows=True)
+
+
+def test_the_recorded_cpu_size_hybrid_distillation_third_seed_merges_with_the_first_two() -> None:
+    # BENCHMARKS.md, "The hybrid's seed 2 on spans": --distill 0.5 on the hybrid at the CPU size, +0.2 / +0.1 / +0.0%
+    names = ["cpu-hybrid-distill-s0-s1.json", "cpu-hybrid-distill-s2.json"]
+    (gap,) = variant_gaps(_merged([REPORTS / n for n in names])["runs"])
+    assert (gap["variant"], gap["reference"]) == ("distill", "hard")
+    assert [round(g, 3) for g in gap["per_seed"]] == [0.002, 0.001, 0.0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,28 +29,35 @@ from dflash.shards import Cache
 from dflash.shards.codecs import Codec, get_codec
 
 
-def round_trip(codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    frame = codec.encode(x.bfloat16())
-    return codec.decode(frame, tuple(x.shape), "bfloat16").float(), len(frame)
+def closed_loop(
+    states: Iterable[torch.Tensor], round_trip: Callable[[torch.Tensor], torch.Tensor], layer_delta: bool
+) -> Iterator[torch.Tensor]:
+    """Each stored layer as a reader reconstructs it (float32), from `round_trip` (bf16 in, its decode out):
+    directly, or (`layer_delta`) every layer after the first as its difference from the reader's
+    reconstruction of the layer before (closed loop: the errors do not add up). One definition for this
+    measure and for `simulate_codec.py`'s caches, whose drafters must see exactly what it measured."""
+    rec = None
+    for x in states:
+        delta = layer_delta and rec is not None
+        d = round_trip((x.float() - rec if delta else x.float()).bfloat16()).float()
+        rec = rec + d if delta else d
+        yield rec
 
 
 def decoded_layers(
     codec: Codec, states: list[torch.Tensor], layer_delta: bool
 ) -> tuple[list[torch.Tensor], int]:
-    """One sample's stored layers as a reader would decode them (float32), and their encoded bytes: each layer
-    encoded directly, or (`layer_delta`) every layer after the first as its difference from the reader's
-    reconstruction of the layer before (closed loop: the errors do not add up)."""
-    out: list[torch.Tensor] = []
-    total = 0
-    for x in states:
-        if layer_delta and out:
-            d, n = round_trip(codec, x - out[-1])
-            out.append(out[-1] + d)
-        else:
-            y, n = round_trip(codec, x)
-            out.append(y)
-        total += n
-    return out, total
+    """One sample's stored layers as a reader would decode them (float32, `closed_loop`), and their encoded
+    bytes."""
+    sizes: list[int] = []
+
+    def round_trip(x: torch.Tensor) -> torch.Tensor:
+        frame = codec.encode(x)
+        sizes.append(len(frame))
+        return codec.decode(frame, tuple(x.shape), "bfloat16")
+
+    out = list(closed_loop(states, round_trip, layer_delta))
+    return out, sum(sizes)
 
 
 def main(argv: list[str] | None = None) -> int:

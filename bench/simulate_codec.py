@@ -32,6 +32,8 @@ from dflash.shards.codecs import Codec, LosslessCodec, get_codec
 from dflash.shards.fp8 import Fp8Codec, dequantize_fp8, quantize_fp8
 from dflash.shards.qcodec import QBlock, QCodec, dequantize_q, quantize_q
 
+from bench.bench_layer_delta import closed_loop
+
 
 def round_trip_rows(
     codec: Codec, x: torch.Tensor, lengths: Sequence[int], row_of_token: torch.Tensor
@@ -55,19 +57,16 @@ class DecodedAsLossless(LosslessCodec):
         self.inner, self.layer_delta = inner, layer_delta
 
     def quantize_batch(self, packed: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        """Each layer of the batch decoded as `bench_layer_delta.decoded_layers` decodes a sample's (the same
-        bits: tests), a layer at a time over all rows: layer k's delta is from the reconstruction of k - 1."""
+        """The batch's layers as `bench_layer_delta.closed_loop` reconstructs a sample's, a layer at a time over
+        all its rows (the same bits as row by row: tests)."""
         lengths = [int(n) for n in lengths]
         sizes = torch.tensor(lengths, dtype=torch.long, device=packed.device)
         row_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=packed.device), sizes)
-        out, rec = torch.empty_like(packed), None
-        for k in range(packed.shape[0]):
-            x = packed[k].float()
-            delta = self.layer_delta and rec is not None
-            d = round_trip_rows(
-                self.inner, (x - rec if delta else x).bfloat16(), lengths, row_of_token
-            ).float()
-            rec = rec + d if delta else d
+        out = torch.empty_like(packed)
+        layers = closed_loop(
+            packed, lambda x: round_trip_rows(self.inner, x, lengths, row_of_token), self.layer_delta
+        )
+        for k, rec in enumerate(layers):
             out[k] = rec.to(packed.dtype)
         return (out,)
 

@@ -13,6 +13,7 @@
 # H200, prose's seed 0 with its distilled run 5 of build (BUILD_ARGS="--gen-batch 4160"), 3.7 of extraction and
 # 11 of training. UNPACK=DIR / PACK=1 (bench/jobs/lib.sh's build_target): start from a pack an earlier job
 # brought back (carry it) instead of building; pack this build for a later session.
+# CODECS=lossless,q4 trains fewer codecs per seed (default lossless,fp8,q4; side by side, one run each).
 # ROWS_CHECK=N also runs `bench_target_determinism.py --rows N` beside the build (W/rows-determinism.txt).
 # BUILD_ARGS adds flags to the build: the hybrid's `--gen-batch 4160 --compile-target reduce-overhead` (its rows in
 # about a minute, BENCHMARKS.md's hybrid sections).
@@ -23,6 +24,8 @@ W=${1:?work folder}
 T=${2:?target: code, prose or hybrid}
 SEEDS=${3:?seeds, e.g. "0 1"}
 DISTILL=${4:-}
+CODECS=${CODECS:-lossless,fp8,q4}
+RUNS=$(echo "$CODECS" | tr , '\n' | wc -l)
 S="--size ${SIZE:-full} --device ${DEVICE:-cuda}"
 source bench/device_env.sh
 source bench/jobs/lib.sh
@@ -39,12 +42,12 @@ B="python3 bench/bench_quality.py $S --recipe ${RECIPE:-defaults} --score-on los
    --curves all --work $W/$T --target $T"
 first=1
 for seed in $SEEDS; do
-  echo "== $T seed $seed, three codecs $(date +%T)"
-  $B --codecs lossless,fp8,q4 --parallel 3 --first-seed "$seed" --runs-dir "runs-s$seed" --json "$W/$T-s$seed.json" \
+  echo "== $T seed $seed, $CODECS $(date +%T)"
+  $B --codecs "$CODECS" --parallel "$RUNS" --first-seed "$seed" --runs-dir "runs-s$seed" --json "$W/$T-s$seed.json" \
     >"$W/$T-s$seed.log" 2>&1 &
   if [ "$first" = 1 ]; then
     caches=$(target_work "$W/$T" "$T")
-    for c in lossless fp8 q4; do bash bench/jobs/await_cache.sh "$caches/cache-$c" $! || exit; done
+    for c in ${CODECS//,/ }; do bash bench/jobs/await_cache.sh "$caches/cache-$c" $! || exit; done
     first=0
   fi
   if [ "$DISTILL" = distill ]; then

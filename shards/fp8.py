@@ -59,8 +59,10 @@ def quantize_fp8(x: torch.Tensor) -> Fp8Block:
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    # NaN > 0 is False: a NaN-holding token gets scale 1, as does an all-zero one.
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # NaN > 0 is False: a NaN-holding token gets scale 1, as does an all-zero one. The divisor is a tensor on
+    # amax's device: CUDA divides by a Python number as a multiply by its float32 reciprocal (one ulp off
+    # amax / 448 for some tokens), so a GPU's scales would not be the CPU's.
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
 
 
 def _quantize_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

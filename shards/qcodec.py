@@ -23,6 +23,7 @@ bytes to copy to the host) and the converter wherever it runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -141,8 +142,22 @@ def channel_scale_codes(x: torch.Tensor, lengths: Sequence[int] | None = None) -
     centre = torch.nan_to_num(mean.nanmedian(dim=1).values, nan=0.0)
     t = torch.nan_to_num((mean - centre[:, None]) * (count / (count + _SHRINK)), nan=0.0).clamp_(-16.0, 15.9)
     octave = t.floor()
-    f = ((torch.exp2(t - octave) - 1) * 8).round_()  # mantissa steps of 1/8; 8 rolls over to the next octave
+    # The mantissa step f (of 1/8) whose 1 + f / 8 is nearest 2^(t - octave): the midpoints it passes, compared
+    # in the log domain (exp2 differs by an ulp between devices and would move a channel on a midpoint); 8
+    # rolls over to the next octave.
+    f = torch.bucketize(t - octave, _mantissa_edges_on(x.device), right=True)
     return (octave * 8 + f).clamp_(-128, 127).to(torch.int8)
+
+
+# log2(1 + (k + 1/2) / 8): where 2^frac passes the midpoint between mantissa steps k and k + 1
+_MANTISSA_EDGES = torch.tensor([math.log2(1 + (k + 0.5) / 8) for k in range(8)], dtype=torch.float32)
+_edges_on: dict[torch.device, torch.Tensor] = {}
+
+
+def _mantissa_edges_on(device: torch.device) -> torch.Tensor:
+    if device not in _edges_on:
+        _edges_on[device] = _MANTISSA_EDGES.to(device)
+    return _edges_on[device]
 
 
 def _ratio_codes(rho: torch.Tensor, ratio: torch.Tensor, search: bool | None = None) -> torch.Tensor:
@@ -208,7 +223,9 @@ def quantize_q(
         tmax = gmax.amax(dim=1)
         finite = torch.isfinite(tmax)
         safe = torch.where(finite & (tmax > 0), tmax, torch.ones_like(tmax))
-        scale = torch.where(finite, safe / levels, torch.full_like(tmax, float("nan")))
+        # a tensor divisor: CUDA multiplies by the float32 reciprocal of a Python number, one ulp off the
+        # quotient for some tokens, and a code near a rounding edge then moves (the CPU's bits are the spec)
+        scale = torch.where(finite, safe / torch.full_like(safe, levels), torch.full_like(tmax, float("nan")))
         rho = torch.nan_to_num(gmax / safe[:, None], nan=1.0).clamp_(0.0, 1.0)
         u = _ratio_codes(rho, ratio)
         yg.div_((ratio[u] * scale[:, None])[:, :, None]).round_().clamp_(-levels, levels)

@@ -140,3 +140,15 @@ def test_cuda_eager_path_matches_the_reference_exactly(case: dict) -> None:
         assert_same_bits(fp8._quantize_eager(x), want)
     block = quantize_fp8(x)
     assert_same_bits((block.q, block.scale), want)
+
+
+@cuda
+@pytest.mark.cuda
+@settings(max_examples=60, deadline=None)
+@given(case=inputs)
+def test_a_gpus_codes_and_scales_are_the_cpus(case: dict) -> None:
+    """The extractor quantizes on its GPU, `dflash-shards convert` on a CPU: one cache's bits either way (a
+    scale divided by a Python number was multiplied by its reciprocal on CUDA: one ulp off, some tokens)."""
+    x = make_input(case["kind"], case["s"], case["h"], DTYPES[case["dtype"]], case["seed"])
+    block = quantize_fp8(x.cuda())
+    assert_same_bits_but_nan_sign((block.q.cpu(), block.scale.cpu()), reference_quantize_fp8(x))

@@ -289,3 +289,25 @@ def test_results_do_not_depend_on_the_step_size(monkeypatch: pytest.MonkeyPatch,
     for name, a, b in zip(("codes", "groups", "scales", "channel", "decoded"), *results, strict=True):
         assert torch.equal(torch.isnan(a.float()), torch.isnan(b.float())), name
         assert torch.equal(a.float().nan_to_num(), b.float().nan_to_num()), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["llm", "gauss", "sparse"])
+def test_a_gpu_quantizes_and_decodes_to_the_cpus_bits(kind: str) -> None:
+    """The extractor quantizes a batch's layers at once on its GPU, `dflash-shards convert` a layer at a time
+    on a CPU, and training decodes on the GPU: the same codes, scales and states every way."""
+    lengths = [700, 3, 1300, 45]
+    x = torch.stack([_data(kind, sum(lengths), 320, seed) for seed in range(3)])
+    on_gpu = quantize_layers(x.cuda(), 7, lengths, together=True)
+    on_cpu = quantize_layers(x, 7, lengths, together=False)
+    for gpu, cpu in zip(on_gpu, on_cpu, strict=True):
+        assert torch.equal(gpu.cpu(), cpu)
+    codes, groups, scales, channel = on_cpu
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    for k in range(x.shape[0]):
+        block = QBlock(codes[k], groups[k], scales[k], channel[k])
+        gpu_block = QBlock(*(t.cuda() for t in (codes[k], groups[k], scales[k], channel[k])))
+        want = dequantize_q(block, row_of_token=rows)
+        assert torch.equal(
+            dequantize_q(gpu_block, row_of_token=rows.cuda()).cpu().view(torch.int16), want.view(torch.int16)
+        )

@@ -11,7 +11,8 @@ def reference_quantize_fp8(x: torch.Tensor, chunk: int | None = None) -> tuple[t
     s, h = x.shape
     q = torch.empty((s, h), dtype=torch.uint8, device=x.device)
     amax = torch.maximum(x.amax(dim=1).float(), -x.amin(dim=1).float())
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    # a tensor divisor: CUDA multiplies by the reciprocal of a Python number (the spec divides)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, 448.0), torch.ones_like(amax))
     chunk = chunk or (1 << 24 if x.is_cuda else 1 << 18)
     rows = max(1, chunk // h)
     for r0 in range(0, s, rows):

@@ -7,7 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from bench.quality_gaps import codec_gaps
+from bench import quality_merge
+from bench.quality_gaps import codec_gaps, variant_gaps
 
 SCRIPT = Path(__file__).parents[1] / "bench" / "device_job.sh"
 
@@ -112,6 +113,16 @@ def test_the_seeds_job_extracts_each_cache_once_and_reports_every_seed_and_disti
     assert not list((tmp_path / "again").glob("**/cache-fp8"))
     for part in ("target", "data"):
         assert later[part] == reports["prose-s0.json"][part]  # the same weights, corpus and rows' digests
+    # bench/jobs/epochs.sh from the same pack (another session): a longer schedule's seeds, paired with the
+    # defaults' runs of the same seeds by the merge
+    longer = _cpu_job(tmp_path, "bench/jobs/epochs.sh", "prose", "3", "2", "1", name="longer", UNPACK=pack)
+    (report,) = [json.loads(p.read_text()) for p in longer.glob("*.json")]
+    assert [r["run"] for r in report["runs"]] == ["e3-lossless-f1-s2"]
+    assert "--epochs 3" in " ".join(report["runs"][0]["flags"])
+    paths = [again / "prose-s2.json", longer / "prose-e3.json"]
+    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in paths})
+    (gap,) = variant_gaps(merged["runs"])
+    assert (gap["variant"], gap["reference"], gap["seeds"]) == ("e3", "base", ["s2"])
 
 
 def test_the_layer_delta_job_trains_q4_and_its_simulated_delta_beside_lossless_from_a_packed_build(

@@ -18,7 +18,9 @@ float32 multiply and the bfloat16 cast: the GPU decode in training (plain torch 
 the CPU decode give the same bits.
 
 `quantize_q` runs on any device: the extractor quantizes on the GPU (codes and scales are ~half the bf16
-bytes to copy to the host) and the converter wherever it runs.
+bytes to copy to the host) and the converter wherever it runs. Both must write the same codes, so every
+division divides by a tensor (CUDA turns a division by a Python number into a multiply by its reciprocal)
+and no rounding reads a transcendental function's last bit.
 """
 
 from __future__ import annotations

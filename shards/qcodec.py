@@ -145,7 +145,7 @@ def channel_scale_codes(x: torch.Tensor, lengths: Sequence[int] | None = None) -
     t = torch.nan_to_num((mean - centre[:, None]) * (count / (count + _SHRINK)), nan=0.0).clamp_(-16.0, 15.9)
     octave = t.floor()
     # The mantissa step f (of 1/8) whose 1 + f / 8 is nearest 2^(t - octave): the midpoints it passes, compared
-    # in the log domain (exp2 differs by an ulp between devices and would move a channel on a midpoint); 8
+    # in the log domain (exp2 may differ by an ulp between devices and move a channel on a midpoint); 8
     # rolls over to the next octave.
     f = torch.bucketize(t - octave, _mantissa_edges_on(x.device), right=True)
     return (octave * 8 + f).clamp_(-128, 127).to(torch.int8)

@@ -144,6 +144,8 @@ def summarize(runs: list[Run], base: dict[str, Any]) -> list[dict[str, Any]]:
             "tau": float(taus.mean()), "tau_spread": float(taus.max() - taus.min()),
             "tau_walk": float(walks.mean()), "tau_walk_spread": float(walks.max() - walks.min()),
             "vs_lookup": float(walks.mean() / base["prompt_lookup"]["tau_walk"]),
+            # the issue's bar (1.3x prompt lookup) holds per seed: the worst seed's ratio beside the mean's
+            "vs_lookup_worst": float(walks.min() / base["prompt_lookup"]["tau_walk"]),
             **({"tau_walk_max": float(np.mean([r.result["tau_walk_max"] for r in group]))}
                if all("tau_walk_max" in r.result for r in group) else {}),
             "train_s": float(np.mean([r.result["train_seconds"] for r in group])),
@@ -161,15 +163,16 @@ def print_table(report: dict[str, Any]) -> None:
           f"block size {report['size']['drafter']['block_size']}")  # fmt: skip
     print(
         f"{'drafter':<34} {'seeds':>5} {'tau (anchors)':>16} {'tau (walk)':>16} {'walk/lookup':>11} "
-        f"{'vs lossless':>11} {'train s':>8}"
+        f"{'worst seed':>10} {'vs lossless':>11} {'train s':>8}"
     )
     lookup = base["prompt_lookup"]
     print(
-        f"{'prompt lookup (n<=4)':<34} {'-':>5} {lookup['tau']:>16.3f} {lookup['tau_walk']:>16.3f} {1.0:>11.2f} {'-':>11} {'-':>8}"
+        f"{'prompt lookup (n<=4)':<34} {'-':>5} {lookup['tau']:>16.3f} {lookup['tau_walk']:>16.3f} {1.0:>11.2f} "
+        f"{'-':>10} {'-':>11} {'-':>8}"
     )
     untrained = base["untrained"]
     print(f"{'untrained drafter':<34} {'-':>5} {untrained['tau']:>16.3f} {untrained['tau_walk']:>16.3f} "
-          f"{untrained['tau_walk'] / lookup['tau_walk']:>11.2f} {'-':>11} {'-':>8}")  # fmt: skip
+          f"{untrained['tau_walk'] / lookup['tau_walk']:>11.2f} {'-':>10} {'-':>11} {'-':>8}")  # fmt: skip
     for row in report["table"]:
         if row.get("failed") or row.get("not_started"):
             why = "FAILED (see its log under --work)" if row.get("failed") else "not started (--deadline)"
@@ -177,7 +180,8 @@ def print_table(report: dict[str, Any]) -> None:
             continue
         print(f"{row['drafter']:<34} {row['seeds']:>5} {row['tau']:>9.3f} ±{row['tau_spread']:<5.3f} "
               f"{row['tau_walk']:>9.3f} ±{row['tau_walk_spread']:<5.3f} {row['vs_lookup']:>11.2f} "
-              f"{_signed_pct(row.get('vs_lossless')):>11} {row['train_s']:>8.0f}")  # fmt: skip
+              f"{_ratio(row.get('vs_lookup_worst')):>10} {_signed_pct(row.get('vs_lossless')):>11} "
+              f"{row['train_s']:>8.0f}")  # fmt: skip
     print_gaps(report)
     print_split_table(report)
     for curve in report["curves"]:
@@ -187,6 +191,11 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"tau/tau_walk vs steps ({curve['run']}): {points}{_schedule(curve['points'])}")
     if report["seconds"]:  # a merged report has no phases of its own
         print("phases (s): " + ", ".join(f"{k} {v:.0f}" for k, v in report["seconds"].items()))
+
+
+def _ratio(value: float | None) -> str:
+    """A walk / lookup ratio to three places ('1.296': the 1.3x bar is that close), or '-' (older reports)."""
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _schedule(points: list[dict[str, Any]]) -> str:

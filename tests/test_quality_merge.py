@@ -441,3 +441,6 @@ def test_the_recorded_hybrid_seeds_2_to_4_on_spans_give_benchmarks_numbers() -> 
     lossless = (r for r in merged["runs"] if r["run"].startswith("base-lossless-"))
     walks = {r["run"][-2:]: round(r["tau_walk"] / lookup, 3) for r in lossless}
     assert walks == {"s2": 1.32, "s3": 1.371, "s4": 1.296}
+    rows = {row["drafter"]: row for row in merged["table"]}
+    lossless_row = rows["base: lossless, 100% rows"]
+    assert round(lossless_row["vs_lookup"], 2) == 1.33 and round(lossless_row["vs_lookup_worst"], 3) == 1.296

@@ -149,6 +149,13 @@ _EXPONENT_BITS = {  # float dtype -> (same-width int dtypes in torch and numpy, 
 _DEVICE_SCAN_CHUNK = 1 << 26  # elements per isfinite call on a GPU (a 64 MiB bool temporary)
 
 
+def divide_exactly(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor, correctly rounded on every device: CUDA divides by a Python number as a multiply by its
+    float32 reciprocal (one ulp off the quotient for some values), so a GPU's scales, and the codes rounded
+    against them, would not be the CPU's. A tensor divisor is divided as on the CPU."""
+    return x / torch.full_like(x, divisor)
+
+
 def count_nonfinite(x: torch.Tensor) -> int:
     """Number of NaN/inf elements of a float tensor, counted where it lives (no copy): on a device, `isfinite`
     in chunks summed there and one host sync (milliseconds for Qwen3-8B's [151936, 4096] embedding); on the

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec_base import Codec, count_masked, zstd_decompress_exact, zstd_frame_of
+from .codec_base import Codec, count_masked, divide_exactly, zstd_decompress_exact, zstd_frame_of
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 _QUANT_CHUNK = 1 << 24  # elements per step of the eager quantizer off the CPU (a 64 MiB float32 temporary)
@@ -59,10 +59,8 @@ def quantize_fp8(x: torch.Tensor) -> Fp8Block:
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    # NaN > 0 is False: a NaN-holding token gets scale 1, as does an all-zero one. The divisor is a tensor on
-    # amax's device: CUDA divides by a Python number as a multiply by its float32 reciprocal (one ulp off
-    # amax / 448 for some tokens), so a GPU's scales would not be the CPU's.
-    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    # NaN > 0 is False: a NaN-holding token gets scale 1, as does an all-zero one.
+    return torch.where(amax > 0, divide_exactly(amax, FP8_MAX), torch.ones_like(amax))
 
 
 def _quantize_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,9 +18,8 @@ float32 multiply and the bfloat16 cast: the GPU decode in training (plain torch 
 the CPU decode give the same bits.
 
 `quantize_q` runs on any device: the extractor quantizes on the GPU (codes and scales are ~half the bf16
-bytes to copy to the host) and the converter wherever it runs. Both must write the same codes, so every
-division divides by a tensor (CUDA turns a division by a Python number into a multiply by its reciprocal)
-and no rounding reads a transcendental function's last bit.
+bytes to copy to the host) and the converter wherever it runs. Both must write the same codes, so a division
+by a constant is `divide_exactly` and no rounding reads a transcendental function's last bit.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .codec_base import Codec, count_nonfinite, zstd_decompress_exact, zstd_frame_of
+from .codec_base import Codec, count_nonfinite, divide_exactly, zstd_decompress_exact, zstd_frame_of
 from .codecs import register_codec
 from .fp8 import Fp8Block
 
@@ -63,13 +62,17 @@ def _ratio_table() -> torch.Tensor:
 
 
 RATIO = _ratio_table()
-_ratio_on: dict[tuple[torch.device, bool], torch.Tensor] = {}
+# log2(1 + (k + 1/2) / 8): where 2^frac passes the midpoint between mantissa steps k and k + 1 (channel codes)
+_MANTISSA_EDGES = torch.tensor([math.log2(1 + (k + 0.5) / 8) for k in range(8)], dtype=torch.float32)
+_TABLES = {"ratio": RATIO, "ratio ascending": RATIO.flip(0).contiguous(), "mantissa edges": _MANTISSA_EDGES}
+_tables_on: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
-def _ratio_table_on(device: torch.device, ascending: bool = False) -> torch.Tensor:
-    if (device, ascending) not in _ratio_on:
-        _ratio_on[device, ascending] = (RATIO.flip(0) if ascending else RATIO).contiguous().to(device)
-    return _ratio_on[device, ascending]
+def _table_on(name: str, device: torch.device) -> torch.Tensor:
+    """One of the codec's constant tables, copied to `device` once."""
+    if (name, device) not in _tables_on:
+        _tables_on[name, device] = _TABLES[name].to(device)
+    return _tables_on[name, device]
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:
@@ -147,19 +150,8 @@ def channel_scale_codes(x: torch.Tensor, lengths: Sequence[int] | None = None) -
     # The mantissa step f (of 1/8) whose 1 + f / 8 is nearest 2^(t - octave): the midpoints it passes, compared
     # in the log domain (exp2 may differ by an ulp between devices and move a channel on a midpoint); 8
     # rolls over to the next octave.
-    f = torch.bucketize(t - octave, _mantissa_edges_on(x.device), right=True)
+    f = torch.bucketize(t - octave, _table_on("mantissa edges", x.device), right=True)
     return (octave * 8 + f).clamp_(-128, 127).to(torch.int8)
-
-
-# log2(1 + (k + 1/2) / 8): where 2^frac passes the midpoint between mantissa steps k and k + 1
-_MANTISSA_EDGES = torch.tensor([math.log2(1 + (k + 0.5) / 8) for k in range(8)], dtype=torch.float32)
-_edges_on: dict[torch.device, torch.Tensor] = {}
-
-
-def _mantissa_edges_on(device: torch.device) -> torch.Tensor:
-    if device not in _edges_on:
-        _edges_on[device] = _MANTISSA_EDGES.to(device)
-    return _edges_on[device]
 
 
 def _ratio_codes(rho: torch.Tensor, ratio: torch.Tensor, search: bool | None = None) -> torch.Tensor:
@@ -170,7 +162,7 @@ def _ratio_codes(rho: torch.Tensor, ratio: torch.Tensor, search: bool | None = N
     (~25 passes, each cheap there). Both give the same codes (tests)."""
     if search if search is not None else rho.device.type != "cpu":
         # the first ratio >= rho in the ascending table, counted from the top
-        return 255 - torch.searchsorted(_ratio_table_on(rho.device, ascending=True), rho.contiguous())
+        return 255 - torch.searchsorted(_table_on("ratio ascending", rho.device), rho.contiguous())
     octave = torch.log2(rho).neg_().floor_().clamp_(0, 16)
     u = (octave * 16 + (32 - 32 * rho * torch.exp2(octave)).floor_().clamp_(0, 15)).clamp_(0, 255).long()
     u -= (ratio[u] < rho).long()
@@ -206,7 +198,7 @@ def quantize_q(
             torch.zeros((1 if lengths is None else len(lengths), h), dtype=torch.int8, device=dev),
         )
     channel = channel_scale_codes(x, lengths)
-    ratio = _ratio_table_on(dev)
+    ratio = _table_on("ratio", dev)
     inv = 1.0 / channel_multipliers(channel)
     if lengths is not None and len(lengths) > 1:  # each token's row's channel factors
         seg = _to_device(np.repeat(np.arange(len(lengths)), lengths), dev)
@@ -225,9 +217,7 @@ def quantize_q(
         tmax = gmax.amax(dim=1)
         finite = torch.isfinite(tmax)
         safe = torch.where(finite & (tmax > 0), tmax, torch.ones_like(tmax))
-        # a tensor divisor: CUDA multiplies by the float32 reciprocal of a Python number, one ulp off the
-        # quotient for some tokens, and a code near a rounding edge then moves (the CPU's bits are the spec)
-        scale = torch.where(finite, safe / torch.full_like(safe, levels), torch.full_like(tmax, float("nan")))
+        scale = torch.where(finite, divide_exactly(safe, levels), torch.full_like(tmax, float("nan")))
         rho = torch.nan_to_num(gmax / safe[:, None], nan=1.0).clamp_(0.0, 1.0)
         u = _ratio_codes(rho, ratio)
         yg.div_((ratio[u] * scale[:, None])[:, :, None]).round_().clamp_(-levels, levels)
@@ -273,7 +263,7 @@ def dequantize_q(
     out = torch.empty((s, h), dtype=dtype, device=codes.device)
     if out.numel() == 0:
         return out
-    ratio = _ratio_table_on(codes.device)
+    ratio = _table_on("ratio", codes.device)
     ng = groups.shape[1]
     channel = channel_multipliers(block.channel_scales)
     step = max(1, _chunk(_DEQUANT_CHUNK, codes.device) // h)

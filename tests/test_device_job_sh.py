@@ -113,16 +113,20 @@ def test_the_seeds_job_extracts_each_cache_once_and_reports_every_seed_and_disti
     assert not list((tmp_path / "again").glob("**/cache-fp8"))
     for part in ("target", "data"):
         assert later[part] == reports["prose-s0.json"][part]  # the same weights, corpus and rows' digests
-    # bench/jobs/epochs.sh from the same pack (another session): a longer schedule's seeds, paired with the
-    # defaults' runs of the same seeds by the merge
-    longer = _cpu_job(tmp_path, "bench/jobs/epochs.sh", "prose", "3", "2", "1", name="longer", UNPACK=pack)
+    # bench/jobs/epochs.sh from the same pack (another session): a longer schedule's seeds on two codecs, paired
+    # with the defaults' runs of the same seeds by the merge
+    longer = _cpu_job(
+        tmp_path, "bench/jobs/epochs.sh", "prose", "3", "2", "1", name="longer", UNPACK=pack, CODECS=codecs
+    )
     (report,) = [json.loads(p.read_text()) for p in longer.glob("*.json")]
-    assert [r["run"] for r in report["runs"]] == ["e3-lossless-f1-s2"]
-    assert "--epochs 3" in " ".join(report["runs"][0]["flags"])
+    assert sorted(r["run"] for r in report["runs"]) == ["e3-lossless-f1-s2", "e3-q4-f1-s2"]
+    assert all("--epochs 3" in " ".join(r["flags"]) for r in report["runs"])
     paths = [again / "prose-s2.json", longer / "prose-e3.json"]
     merged = quality_merge.merge({p: quality_merge.read_report(p) for p in paths})
-    (gap,) = variant_gaps(merged["runs"])
-    assert (gap["variant"], gap["reference"], gap["seeds"]) == ("e3", "base", ["s2"])
+    gaps = variant_gaps(merged["runs"])
+    assert sorted((g["variant"], g["codec"], g["reference"], g["seeds"]) for g in gaps) == [
+        ("e3", "lossless", "base", ["s2"]), ("e3", "q4", "base", ["s2"])
+    ]  # fmt: skip
 
 
 def test_the_layer_delta_job_trains_q4_and_its_simulated_delta_beside_lossless_from_a_packed_build(

@@ -9,21 +9,25 @@
 # (variant eN) on each seed, in one bench_quality process that extracts the lossless cache once. Report:
 # W/T-eN.json, which pairs by seed with the defaults' runs of the same instance (seeds.sh's reports, from the
 # same pack): `bench/quality_merge.py` lists eN against base. UNPACK / PACK / BUILD_ARGS / SIZE as in seeds.sh.
+# CODECS=lossless,q4 trains each seed on those caches too (default lossless alone), every run side by side: the
+# codec gaps of the longer schedule, paired within it (bench_quality's vs-lossless column).
 set -u
 W=${1:?work folder}
 T=${2:?target: code, prose or hybrid}
 EPOCHS=${3:?epochs}
 FIRST=${4:?first seed}
 COUNT=${5:?number of seeds}
+CODECS=${CODECS:-lossless}
+RUNS=$(($(echo "$CODECS" | tr , '\n' | wc -l) * COUNT))
 S="--size ${SIZE:-full} --device ${DEVICE:-cuda}"
 source bench/device_env.sh
 source bench/jobs/lib.sh
 echo "== build $T $(date +%T)"
 build_target "$W" "$T" data $S ${BUILD_ARGS:-} || exit
 source bench/cuda_mps.sh /tmp/mps
-echo "== $T, $EPOCHS epochs, seeds $FIRST.. ($COUNT) $(date +%T)"
+echo "== $T, $EPOCHS epochs, seeds $FIRST.. ($COUNT), $CODECS $(date +%T)"
 python3 bench/bench_quality.py $S --recipe "${RECIPE:-defaults}" --score-on lossless --fractions 1 --curves all \
-  --work "$W/$T" --target "$T" --codecs lossless --variants "e$EPOCHS=--epochs $EPOCHS" \
-  --first-seed "$FIRST" --seeds "$COUNT" --parallel "$COUNT" --runs-dir "runs-e$EPOCHS" \
+  --work "$W/$T" --target "$T" --codecs "$CODECS" --variants "e$EPOCHS=--epochs $EPOCHS" \
+  --first-seed "$FIRST" --seeds "$COUNT" --parallel "$RUNS" --runs-dir "runs-e$EPOCHS" \
   --json "$W/$T-e$EPOCHS.json" >"$W/$T-e$EPOCHS.log" 2>&1 || exit
 echo "== done $(date +%T)"

@@ -18,10 +18,10 @@ EPOCHS=${3:?epochs}
 FIRST=${4:?first seed}
 COUNT=${5:?number of seeds}
 CODECS=${CODECS:-lossless}
-RUNS=$(($(echo "$CODECS" | tr , '\n' | wc -l) * COUNT))
 S="--size ${SIZE:-full} --device ${DEVICE:-cuda}"
 source bench/device_env.sh
 source bench/jobs/lib.sh
+RUNS=$(($(codec_count "$CODECS") * COUNT))
 echo "== build $T $(date +%T)"
 build_target "$W" "$T" data $S ${BUILD_ARGS:-} || exit
 source bench/cuda_mps.sh /tmp/mps

@@ -5,6 +5,11 @@ target_work() {
   if [ "$2" = code ]; then echo "$1"; else echo "$1/$2"; fi
 }
 
+# codec_count LIST: how many codecs a comma-separated CODECS names (one training run each, side by side).
+codec_count() {
+  echo "$1" | tr , '\n' | wc -l
+}
+
 # build_target W T STOP [FLAGS...]: bench_quality's phases of target T under W/T up to STOP (data or extract),
 # log W/build.log. UNPACK=DIR starts from the tar parts a job packed earlier (the target and rows not built again:
 # ~5 minutes of a device session); PACK=1 then packs target/ and data/ into W/pack, beside what the job does next,

@@ -25,10 +25,10 @@ T=${2:?target: code, prose or hybrid}
 SEEDS=${3:?seeds, e.g. "0 1"}
 DISTILL=${4:-}
 CODECS=${CODECS:-lossless,fp8,q4}
-RUNS=$(echo "$CODECS" | tr , '\n' | wc -l)
 S="--size ${SIZE:-full} --device ${DEVICE:-cuda}"
 source bench/device_env.sh
 source bench/jobs/lib.sh
+RUNS=$(codec_count "$CODECS")
 if [ -n "${ROWS_CHECK:-}" ]; then
   # beside the build (~1 min): the target's shape trained once and N greedy rows generated twice from it; do two
   # generations in one process agree (so the rows' differing between machines is the machine, not a kernel)?

@@ -68,6 +68,7 @@ from bench.quality_phases import (
 )
 from bench.quality_report import Scorer, data_order, print_table, summarize
 from bench.quality_sizes import (
+    NOW_DEFAULT_EPOCHS,
     SIZES,
     Run,
     parse_variants,
@@ -274,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_args": args.train_args,
         "scored_on": scored_on,
         "data_order": data_order(good),
+        "default_epochs": NOW_DEFAULT_EPOCHS,  # what a run without --epochs trained for (quality_merge compares)
         "run_with": software(args.device),
         "seconds": seconds,
         "extractions": {c: extraction_summary(work, c) for c in extracted},

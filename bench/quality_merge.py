@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.quality_gaps import print_gaps
 from bench.quality_report import print_table, summarize
-from bench.quality_sizes import OLD_ORDER, Run
+from bench.quality_sizes import OLD_DEFAULT_EPOCHS, OLD_ORDER, Run
 
 # What makes two reports' rows the same instance: (what it is, where it is in a report).
 SAME_ROWS = (
@@ -47,6 +47,8 @@ SAME = (
     ("scoring cache", ("scored_on",)),
     # since `spans`, a seed's runs on two codecs train on the same batches; before, each cache's shards gave its own
     ("data order", ("data_order",)),
+    # a run on dflash-train's defaults trained 6 epochs before 2026-12-07, and 6 to 10 by the cache's size since
+    ("dflash-train default length", ("default_epochs",)),
 )
 
 
@@ -98,6 +100,7 @@ def read_report(path: Path) -> dict[str, Any]:
         if "walk_rows" in entry and not _row_walks(entry["walk_rows"]):
             raise SystemExit(f"error: {path}: run {name!r}: walk_rows is not row id -> [tokens, steps]")
     report.setdefault("data_order", OLD_ORDER)
+    report.setdefault("default_epochs", OLD_DEFAULT_EPOCHS)
     return report
 
 
@@ -139,6 +142,7 @@ def merge(reports: dict[Path, dict[str, Any]], across_rows: bool = False) -> dic
     return {
         **{k: base[k] for k in KEPT if k != "runs"},
         "data_order": base["data_order"],
+        "default_epochs": base["default_epochs"],
         "table": summarize(runs, base["baselines"]),
         "curves": [c for r in reports.values() for c in r.get("curves", [])],
         "runs": entries,
@@ -174,6 +178,7 @@ def _merge_across_rows(reports: dict[Path, dict[str, Any]], base: dict[str, Any]
     return {
         **{k: base[k] for k in KEPT if k not in ("runs", "data", "baselines")},
         "data_order": base["data_order"],
+        "default_epochs": base["default_epochs"],
         "rows_instances": instances,
         "runs": entries,
         "train_args": {str(p): r.get("train_args") for p, r in reports.items()},

@@ -13,12 +13,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.train.config import DraftSpec, LoaderConfig, OptimConfig
 from dflash.train.resume_checks import BEFORE_DEFAULTS
+from dflash.train.schedule import DEFAULT_EPOCHS_RULE
 
 from bench.quality_data import DataSpec
 from bench.quality_target import TargetSpec
 
 # the epoch order of a run or report that names none: it predates spans (`dflash-train --data-order`)
 OLD_ORDER = BEFORE_DEFAULTS["data_order"]
+# dflash-train's length without --epochs, as a report records it (`default_epochs`): runs on its defaults
+# trained this long. A report that names none predates `schedule.default_epochs`: 6 epochs on any dataset.
+OLD_DEFAULT_EPOCHS = "6"
+NOW_DEFAULT_EPOCHS = DEFAULT_EPOCHS_RULE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -207,8 +212,9 @@ CHECKPOINTS_PER_RUN = 8  # of a run whose steps its size sets
 
 def with_trainer_defaults(size: Size) -> Size:
     """`size` with its drafters trained on dflash-train's defaults (the recipe every target is measured on
-    for issue 29's "one default recipe"; at the full size code walked 1.71x prompt lookup over three seeds,
-    prose 1.45x over two, as far as the size's own recipe, and the hybrid 1.35x over three, BENCHMARKS.md).
+    for issue 29's "one default recipe"; at the full size and 6 epochs, the default then, code walked 1.71x
+    prompt lookup over three seeds, prose 1.45x over two, as far as the size's own recipe, and the hybrid 1.35x
+    over three; at 10, the default on these datasets since 2026-12-07, 1.79x / 1.36x / 1.51x, BENCHMARKS.md).
     Refused where the defaults' block size, anchors or pack budget differ from the size's: the evaluation is
     built from those."""
     drafter, loader, recipe = DraftSpec(), LoaderConfig(), size.drafter

@@ -55,7 +55,8 @@ def test_train_help_shows_the_paper_recipe_and_tiny() -> None:
     flat = " ".join(text.split())
     for shown in (
         "--lr LR AdamW peak learning rate (default: 0.0006; --preset tiny: 0.001)",
-        "--epochs EPOCHS passes over the training rows (default: 6; --preset tiny: 2)",
+        "--epochs EPOCHS passes over the training rows (default: 6, or as many as make 6,000 batches, at most "
+        "10; --resume: its run's; --preset paper: 6; --preset tiny: 2)",
         "(default: 16; --preset tiny: 4)",
         "anchors sampled per sequence (default: 512; --preset tiny: 8)",
         "drafter decoder layers (default: 5; --preset tiny: 1)",

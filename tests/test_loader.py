@@ -47,9 +47,10 @@ def _loader(cache_dir: Path, **overrides) -> StreamingLoader:
         epochs=2,
     )
     kwargs.update(overrides)
-    cache = Cache.open(kwargs.pop("cache", cache_dir))
+    path = kwargs.pop("cache", cache_dir)
     place = {k: kwargs.pop(k) for k in ("rank", "world_size", "device") if k in kwargs}
-    return StreamingLoader(cache, DataSpec(**kwargs), **place)
+    spec = DataSpec(**kwargs)  # checked before the cache is opened
+    return StreamingLoader(Cache.open(path), spec, **place)
 
 
 def _train_rows(n: int) -> set[int]:
@@ -142,6 +143,14 @@ def test_missing_layer_is_refused_in_one_line(cache_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"layers \[7\] missing, the cache holds \[0, 1, 2, 3\]") as exc:
         _loader(cache_dir, layer_ids=[1, 7])
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("epochs", [None, 0, True])
+def test_a_spec_without_a_whole_number_of_epochs_is_refused(cache_dir: Path, epochs) -> None:
+    """A left-out --epochs is pinned before the loader is made (`run_parts.settle_epochs`); one that is not
+    would otherwise end the loader at its first `range()`, mid-run."""
+    with pytest.raises(ValueError, match=rf"epochs={epochs!r}: must be a whole number >= 1"):
+        _loader(cache_dir, epochs=epochs)
 
 
 def test_corrupt_sample_skip_and_fail(tmp_path: Path) -> None:

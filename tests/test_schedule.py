@@ -8,12 +8,18 @@ from types import SimpleNamespace
 import pytest
 from dflash.train.config import tiny_debug
 from dflash.train.schedule import (
+    BASE_EPOCHS,
+    MAX_EPOCHS,
+    MIN_BATCHES,
     Schedule,
     batches_per_epoch,
+    default_epochs,
     estimate_total_steps,
     resumed_schedule,
     resumed_total_steps,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 
 MANIFEST = SimpleNamespace(rows=1000, tokens=256_000)  # 256-token rows
 
@@ -88,3 +94,28 @@ def test_a_finished_run_resumed_for_longer_restarts_its_schedule() -> None:
     older = {k: v for k, v in meta.items() if k != "finished"}
     assert resumed_schedule(older, longer, MANIFEST, 1, done)[0] == Schedule(480, start=320)
     assert resumed_schedule(meta, _cfg(epochs=1), MANIFEST, 1, done)[0] == Schedule(320)
+
+
+@given(rows=st.integers(1, 10**7), mean_tokens=st.integers(1, 4096), world=st.integers(1, 64))
+def test_the_default_epochs_are_the_fewest_that_reach_the_batch_floor_within_bounds(
+    rows: int, mean_tokens: int, world: int
+) -> None:
+    manifest = SimpleNamespace(rows=rows, tokens=rows * mean_tokens)
+    cfg = _cfg(epochs=None)
+    epochs, per_epoch = default_epochs(manifest, cfg), batches_per_epoch(manifest, cfg)
+    assert BASE_EPOCHS <= epochs <= MAX_EPOCHS
+    assert epochs == MAX_EPOCHS or epochs * per_epoch >= MIN_BATCHES  # the floor is reached, unless capped
+    assert epochs == BASE_EPOCHS or (epochs - 1) * per_epoch < MIN_BATCHES  # and not passed by a whole epoch
+    # tokens, not optimizer steps: the schedule's steps follow the world size, the epochs do not
+    per_rank = -(-per_epoch // world)
+    assert estimate_total_steps(manifest, cfg, world) == per_rank * epochs
+
+
+def test_the_quality_benchmarks_datasets_get_ten_epochs_and_a_large_one_the_papers_six() -> None:
+    """~650 batches an epoch (the 16k-row targets: 6,530 steps at --epochs 10) -> 10; 1,000 or more -> 6."""
+    # 1152-token rows fill a 1728-token batch one each (1728 - 1152/2)
+    cfg = tiny_debug("c", "o", token_budget=1728, max_length=1152, eval_fraction=0.0, epochs=None)
+    for per_epoch, expected in ((653, 10), (700, 9), (999, 7), (1000, 6), (10**5, 6), (3, 10)):
+        manifest = SimpleNamespace(rows=per_epoch, tokens=per_epoch * 1152)
+        assert batches_per_epoch(manifest, cfg) == per_epoch
+        assert default_epochs(manifest, cfg) == expected, per_epoch

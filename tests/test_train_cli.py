@@ -34,13 +34,14 @@ def test_the_default_is_the_paper_recipe_with_reach_weights_and_preset_paper_is_
     paper = cli.build_config(["--cache", "C", "--out", "O", "--preset", "paper"])
     assert (default.drafter.slot_weights, paper.drafter.slot_weights) == ("reach", "decay")
     assert (default.drafter.loss_gamma, paper.drafter.loss_gamma) == (1.0, 7.0)  # reach's floor; the paper's
-    # nothing else differs: the default keeps the paper's shape, optimizer and schedule
+    # the length: the paper's 6 epochs; the default's is set from the cache's size (`schedule.default_epochs`)
+    assert (default.optim.epochs, paper.optim.epochs) == (None, 6)
+    # nothing else differs: the default keeps the paper's shape and optimizer
     differ = {k for k, v in default.to_flat().items() if paper.to_flat()[k] != v}
-    assert differ == {"slot_weights"}
-    assert (
-        cli.build_config(["--cache", "C", "--out", "O", "--preset", "paper", "--slot-weights", "reach"])
-        == default
-    )
+    assert differ == {"slot_weights", "epochs"}
+    assert cli.build_config(
+        ["--cache", "C", "--out", "O", "--preset", "paper", "--slot-weights", "reach", "--epochs", "6"]
+    ) == cli.build_config(["--cache", "C", "--out", "O", "--epochs", "6"])
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     shown = " ".join(capsys.readouterr().out.split())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from dflash.train.cli import build_config
 from dflash.train.cli import main as train_main
 from dflash.train.model import DFlashDrafter
 from dflash.train.run_parts import checked_parts
-from dflash.train.schedule import estimate_total_steps
+from dflash.train.schedule import MAX_EPOCHS, MIN_BATCHES, batches_per_epoch, estimate_total_steps
 from dflash.train.startup import StartupClock
 
 
@@ -111,3 +112,32 @@ def test_rows_extraction_skipped_are_counted_by_reason(cache: Path, tmp_path: Pa
     resign_manifest(cache, two_skipped)
     plan = _plan(capsys, tiny_train_argv(cache, tmp_path / "run"))
     assert plan["not cached"] == "1 empty, 2 overlong (rows extraction skipped)"
+
+
+def test_epochs_left_out_are_the_caches_default_and_a_resume_keeps_its_runs(
+    cache: Path, tmp_path: Path, capsys
+) -> None:
+    unset = tmp_path / "unset.json"  # the tiny preset sets epochs; a config file can take it back out
+    unset.write_text('{"epochs": null}')
+    per_epoch = batches_per_epoch(load_manifest(cache), build_config(tiny_train_argv(cache, tmp_path / "x")))
+    assert per_epoch * MAX_EPOCHS < MIN_BATCHES  # a small cache: the default's longest
+    plan = _plan(capsys, tiny_train_argv(cache, tmp_path / "new", "--config", str(unset)))
+    assert (
+        f"({MAX_EPOCHS} epochs: dflash-train's default for {per_epoch} batches an epoch" in plan["schedule"]
+    )
+    # the run pins the number: its checkpoints say how long it is
+    auto = tmp_path / "auto"
+    quiet = ("--max-steps", "2", "--no-tensorboard", "--no-plots")
+    assert train_main(tiny_train_argv(cache, auto, "--config", str(unset), *quiet)) == 0
+    (latest,) = (auto / "checkpoints").glob("step_*")
+    assert json.loads((latest / "meta.json").read_text())["config"]["epochs"] == MAX_EPOCHS
+    # a run of 1 epoch resumed with --epochs left out stays 1 epoch long: its schedule is not moved
+    short = tmp_path / "short"
+    assert train_main(tiny_train_argv(cache, short, "--epochs", "1", *quiet)) == 0
+    capsys.readouterr()
+    resumed = _plan(
+        capsys, [*tiny_train_argv(cache, short, "--config", str(unset), "--max-steps", "2"), "--resume"]
+    )
+    assert "(1 epochs: the resumed run's" in resumed["schedule"] and "--epochs" not in resumed["schedule"]
+    given = _plan(capsys, [*tiny_train_argv(cache, short, "--epochs", "3"), "--resume"])
+    assert "(3 epochs, world 1)" in given["schedule"] and "--epochs 1 -> 3" in given["schedule"]

@@ -34,6 +34,7 @@ from .config import (
 from .config_file import load_config_file
 from .data_plan import ORDERS
 from .metrics import read_metrics
+from .schedule import BASE_EPOCHS, MAX_EPOCHS, MIN_BATCHES
 from .stop_signal import StopRequest, exit_code
 from .verdict import evaluations, verdict
 
@@ -191,7 +192,12 @@ def _train_parser() -> argparse.ArgumentParser:
     opt.add_argument("--warmup-frac", type=float, help="linear warmup over this fraction of the steps")
     opt.add_argument("--grad-clip", type=float, help="clip the gradient norm to this (0: off)")
     opt.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
-    opt.add_argument("--epochs", type=int, help="passes over the training rows")
+    opt.add_argument(
+        "--epochs",
+        type=int,
+        help=f"passes over the training rows (default: {BASE_EPOCHS}, or as many as make {MIN_BATCHES:,} "
+        f"batches, at most {MAX_EPOCHS}; --resume: its run's; --preset paper: 6; --preset tiny: 2)",
+    )
     opt.add_argument(
         "--max-steps", type=int, help="stop after N optimizer steps (also sets the schedule length)"
     )

@@ -147,7 +147,7 @@ class OptimConfig:
     warmup_frac: float = 0.04
     grad_clip: float = 1.0
     grad_accum: int = 1
-    epochs: int = 6
+    epochs: int | None = None  # None: 6, raised toward 10 on a small dataset (`schedule.default_epochs`)
     max_steps: int | None = None
 
     def __post_init__(self) -> None:
@@ -167,7 +167,8 @@ class OptimConfig:
                 f"grad_clip={self.grad_clip}: must be a finite number >= 0 (0 disables clipping)"
             )
         _positive("grad_accum", self.grad_accum)
-        _positive("epochs", self.epochs)
+        if self.epochs is not None:
+            _positive("epochs", self.epochs)
         if self.max_steps is not None:
             _positive("max_steps", self.max_steps)
 
@@ -309,7 +310,7 @@ def default_recipe(cache: str, out: str, **overrides: Any) -> TrainConfig:
 def paper_recipe(cache: str, out: str, **overrides: Any) -> TrainConfig:
     """The DFlash paper recipe: 5 layers, B=16, 512 anchors, AdamW 6e-4, 4% warmup + cosine, 6 epochs, the
     loss decay exp(-(k-1)/gamma) with gamma 7 for B = 16."""
-    return config_from_flat({"cache": cache, "out": out, "slot_weights": "decay", **overrides})
+    return config_from_flat({"cache": cache, "out": out, "slot_weights": "decay", "epochs": 6, **overrides})
 
 
 def tiny_debug(cache: str, out: str, **overrides: Any) -> TrainConfig:

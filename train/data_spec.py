@@ -68,6 +68,11 @@ class DataSpec:
     def __post_init__(self) -> None:
         if self.on_corrupt not in ("skip", "fail"):
             raise ValueError(f"on_corrupt={self.on_corrupt!r}: choose skip or fail")
+        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(
+                f"epochs={self.epochs!r}: must be a whole number >= 1 (a run pins a left-out --epochs before "
+                "its data spec: run_parts.settle_epochs)"
+            )
         object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
 
     @classmethod

@@ -29,7 +29,7 @@ from .config import TrainConfig
 from .guards import check_frozen_finite
 from .model import DFlashDrafter
 from .resume_checks import naming_older_intact, read_resume_state
-from .run_parts import check_resume_rule, check_run_unlocked, checked_parts
+from .run_parts import check_resume_rule, check_run_unlocked, checked_parts, settle_epochs
 from .schedule import Schedule, estimate_total_steps, resumed_schedule
 from .startup import StartupClock
 
@@ -58,6 +58,7 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
     # a --resume-from that is not one of the run's checkpoints is refused here
     found = resume_point(out, cfg.resume_from) if resuming and cfg.resume else None
     with cfg.open_cache() as cache:
+        epochs_why = settle_epochs(cfg, cache)  # checked_parts would pin it too, without telling the plan why
         frozen, drafter_cfg, spec = checked_parts(cfg, cache, StartupClock())
         check_frozen_finite(cache, frozen)
         manifest = cache.manifest
@@ -94,6 +95,7 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
             "params": params,
             "world_size": world_size,
             "epochs": cfg.optim.epochs,
+            "epochs_why": epochs_why,  # None: --epochs given
             "max_steps": cfg.optim.max_steps,
             "total_steps": schedule.total,
             "schedule_restarts": resume_step is not None and schedule.restarts_at(resume_step),
@@ -113,6 +115,7 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
 def print_plan(plan: dict[str, Any]) -> None:
     fits = plan["checkpoints_disk_bytes"] <= plan["free_bytes"]
     steps = f"~{plan['total_steps']:,} optimizer steps ({plan['epochs']} epochs"
+    steps += f": {plan['epochs_why']}" if plan["epochs_why"] else ""
     steps += f", capped by --max-steps {plan['max_steps']}" if plan["max_steps"] else ""
     steps += f", world {plan['world_size']}), warmup {plan['warmup_steps']:,}, lr {plan['lr']:g}"
     if plan["schedule_moved"]:

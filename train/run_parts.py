@@ -10,7 +10,7 @@
         recorded size (stat only); target/'s files against the manifest's digests (`shards.target_files`:
         zeroed bytes in the frozen weights are finite, no later check sees them); the frozen target parts
         and the layers and drafter shape they imply, checked against the cache (`cache_checks.check_cache`,
-        `guards.check_trainable`).
+        `guards.check_trainable`); then `--epochs` pinned on cfg where it was left out (`settle_epochs`).
 Each piece is timed into the launch's `StartupClock` (`startup.py`). On failure the cache is closed.
 """
 
@@ -35,12 +35,14 @@ from dflash.shards.urls import is_url
 
 from . import checkpoint as ckpt
 from .cache_checks import check_cache
+from .checkpoint_files import read_meta
 from .config import TrainConfig
 from .data_spec import DataSpec, read_eval_rows
 from .drafter_config import DrafterConfig
 from .frozen import FrozenTarget, load_frozen_target
 from .guards import check_frozen_finite, check_trainable
 from .parallelize import DistInfo, barrier, init_distributed
+from .schedule import DEFAULT_EPOCHS_RULE, batches_per_epoch, default_epochs
 from .startup import StartupClock
 
 log = logging.getLogger(__name__)
@@ -164,8 +166,30 @@ def checked_parts(
         check_cache(cache, frozen, drafter_cfg)
         check_trainable(cache, frozen)
         check_distill(cfg.drafter.distill, frozen, cache.layers)
+        why = settle_epochs(cfg, cache)
+        if why:
+            log.info("%d epochs: %s", cfg.optim.epochs, why)
         spec = DataSpec.for_run(cfg, drafter_cfg, read_eval_rows(cfg.data.eval_rows))
     return frozen, drafter_cfg, spec
+
+
+def settle_epochs(cfg: TrainConfig, cache: Cache) -> str | None:
+    """Pins `--epochs` on `cfg` where it was left out, and says why: a resumed run keeps its own (its length was
+    set when it started, under whatever default then held), a new one gets `schedule.default_epochs` for this
+    cache. None: given. Every later reader of the config (data spec, schedule, checkpoints) sees the number."""
+    if cfg.optim.epochs is not None:
+        return None
+    found = ckpt.resume_point(cfg.out, cfg.resume_from) if cfg.resume else None
+    try:
+        saved = read_meta(found)["config"].get("epochs") if found is not None else None
+    except (ValueError, OSError):  # a damaged checkpoint: the resume itself refuses it, naming an intact one
+        saved = None
+    if isinstance(saved, int) and saved > 0:
+        cfg.optim.epochs = saved
+        return f"the resumed run's ({found})"
+    cfg.optim.epochs = default_epochs(cache.manifest, cfg)
+    per_epoch = batches_per_epoch(cache.manifest, cfg)
+    return f"dflash-train's default for {per_epoch:,} batches an epoch ({DEFAULT_EPOCHS_RULE})"
 
 
 def check_distill(alpha: float, frozen: FrozenTarget, cached: Sequence[int]) -> None:

@@ -1,9 +1,10 @@
 """What a finished run's held-out evaluations say: the drafter against prompt lookup, and whether its schedule
 was long enough.
 
-No one recipe fits every target: on the quality benchmark (BENCHMARKS.md) `dflash-train`'s 6 epochs left the
-hybrid target's walk still rising at the end (+2.3% over its last ~900 steps; ~9 epochs walked 1.47x prompt
-lookup against 1.35x), while prose's walk peaked mid-schedule. The decode walk is deterministic for given weights
+No one length fits every target: on the quality benchmark (BENCHMARKS.md) 6 epochs left the hybrid target's
+walk still rising at the end (+2.3% over its last ~900 steps; 10 epochs walked 1.51x prompt lookup against
+1.35x), while prose's walk peaked at step 2000 and fell 5-6% by the end of 10 epochs (`schedule.default_epochs`
+gives such a small dataset 10: the worst target's walk decided). The decode walk is deterministic for given weights
 on the fixed held-out rows, so its trend within one run is a reading, not seed noise. Pure: it reads the
 evaluation records of `RUN/metrics.jsonl`; `dflash-train` prints its lines when the run ends.
 """

@@ -96,9 +96,8 @@ def test_score_on_extracts_the_scoring_cache_without_training_on_it(tmp_path: Pa
     assert bench_quality.main([*argv, "--score-on", "lossless"]) == 0
     report = json.loads((work / "runs" / "quality.json").read_text())
     assert report["scored_on"] == "lossless" and [r["run"] for r in report["runs"]] == ["base-q4-f1-s0"]
-    assert (
-        report["default_epochs"] == "6, up to 10 below 6,000 batches"
-    )  # merges with reports of the same only
+    # the default length its runs trained under: it merges with reports of the same only
+    assert report["default_epochs"] == "6, up to 10 below 6,000 batches"
     assert json.loads((work / "cache-lossless" / "manifest.json").read_text())["complete"]
     assert opened == [work / "cache-lossless"]  # the q4 drafter was scored on exact states
 

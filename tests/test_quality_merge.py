@@ -93,15 +93,9 @@ def test_reports_of_dflash_trains_two_default_lengths_do_not_merge(tmp_path: Pat
         SystemExit, match=r"another dflash-train default length than .*\('6' against '6, up to 10"
     ):
         quality_merge.main([str(a), str(b)])
-    c = _write(
-        tmp_path / "c.json", {**_report({"base-lossless-f1-s1": 5.0}), "default_epochs": NOW_DEFAULT_EPOCHS}
-    )
-    assert (
-        quality_merge.merge({a: quality_merge.read_report(a), c: quality_merge.read_report(c)})[
-            "default_epochs"
-        ]
-        == NOW_DEFAULT_EPOCHS
-    )
+    c = _write(tmp_path / "c.json", {**now, "runs": _report({"base-lossless-f1-s1": 5.0})["runs"]})
+    merged = quality_merge.merge({a: quality_merge.read_report(a), c: quality_merge.read_report(c)})
+    assert merged["default_epochs"] == NOW_DEFAULT_EPOCHS
 
 
 def test_a_report_entry_reads_back_as_the_run_it_was() -> None:

@@ -4,8 +4,8 @@ was long enough.
 No one length fits every target: on the quality benchmark (BENCHMARKS.md) 6 epochs left the hybrid target's
 walk still rising at the end (+2.3% over its last ~900 steps; 10 epochs walked 1.51x prompt lookup against
 1.35x), while prose's walk peaked at step 2000 and fell 5-6% by the end of 10 epochs (`schedule.default_epochs`
-gives such a small dataset 10: the worst target's walk decided). The decode walk is deterministic for given weights
-on the fixed held-out rows, so its trend within one run is a reading, not seed noise. Pure: it reads the
+gives such a small dataset 10: the worst target's walk decided). The decode walk is deterministic for given
+weights on the fixed held-out rows, so its trend within one run is a reading, not seed noise. Pure: it reads the
 evaluation records of `RUN/metrics.jsonl`; `dflash-train` prints its lines when the run ends.
 """
 

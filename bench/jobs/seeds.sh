@@ -12,8 +12,9 @@
 # seed 2 with its distilled run (four runs) took 4 min of build, 1.5 of extraction and 11 of training; on one
 # H200, prose's seed 0 with its distilled run 5 of build (BUILD_ARGS="--gen-batch 4160"), 3.7 of extraction and
 # 11 of training (6 epochs, the defaults then; since 2026-12-07 the defaults train these 16k-row datasets for 10:
-# three runs side by side ~13 min on one H100, bench/jobs/epochs.sh's). UNPACK=DIR / PACK=1 (bench/jobs/lib.sh's build_target): start from a pack an earlier job
-# brought back (carry it) instead of building; pack this build for a later session.
+# three runs side by side ~13 min on one H100, bench/jobs/epochs.sh's). UNPACK=DIR / PACK=1
+# (bench/jobs/lib.sh's build_target): start from a pack an earlier job brought back (carry it) instead of
+# building; pack this build for a later session.
 # CODECS=lossless,q4 trains fewer codecs per seed (default lossless,fp8,q4; side by side, one run each).
 # ROWS_CHECK=N also runs `bench_target_determinism.py --rows N` beside the build (W/rows-determinism.txt).
 # BUILD_ARGS adds flags to the build: the hybrid's `--gen-batch 4160 --compile-target reduce-overhead` (its rows in

@@ -65,6 +65,14 @@ def test_train_help_shows_the_paper_recipe_and_tiny() -> None:
         assert shown in flat, shown
 
 
+def test_defaults_said_in_words_are_the_ones_the_recipe_leaves_open() -> None:
+    """A default in words stands for a value start-up settles: the recipe must leave it None, else the help
+    would hide the value a run really gets."""
+    recipe = train_cli.PRESETS["default"]("CACHE", "OUT").to_flat()
+    for key in train_cli.DEFAULTS_IN_WORDS:
+        assert key in recipe and recipe[key] is None, key
+
+
 def test_extract_help_names_the_column_flags() -> None:
     flat = " ".join(extract_parser().format_help().split())
     assert "--input-ids-column INPUT_IDS_COLUMN dataset column of token id lists (default: input_ids)" in flat

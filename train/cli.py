@@ -120,8 +120,7 @@ def _train_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--loader-workers",
         type=int,
-        help="processes that read and pack batches, off the training process's GIL (default: 4 on CUDA; "
-        "0: threads inside the training process, the default on a CPU)",
+        help="processes that read and pack batches, off the training process's GIL",
     )
     data.add_argument("--prefetch-batches", type=int, help="batches prepared ahead of the GPU")
     data.add_argument("--shuffle-window", type=int, help="samples in the shuffle buffer")
@@ -150,9 +149,7 @@ def _train_parser() -> argparse.ArgumentParser:
     )
     model = p.add_argument_group("drafter")
     model.add_argument("--num-draft-layers", type=int, help="drafter decoder layers")
-    model.add_argument(
-        "--target-layer-ids", help="comma-separated target layer ids (default: the DFlash rule)"
-    )
+    model.add_argument("--target-layer-ids", help="comma-separated target layer ids")
     model.add_argument("--block-size", type=int, help="B: the anchor plus B - 1 drafted tokens")
     model.add_argument("--num-anchors", type=int, help="anchors sampled per sequence")
     model.add_argument(
@@ -178,7 +175,7 @@ def _train_parser() -> argparse.ArgumentParser:
         choices=SLOT_WEIGHT_CHOICES,
         help="decay: exp(-(k-1)/gamma) (the paper); reach: follow the drafter's acceptance (slot_weights.py)",
     )
-    model.add_argument("--mask-token-id", type=int, help="default: the first unused embedding row")
+    model.add_argument("--mask-token-id", type=int, help="the mask token's id")
     model.add_argument(
         "--distill",
         type=float,
@@ -195,8 +192,7 @@ def _train_parser() -> argparse.ArgumentParser:
     opt.add_argument(
         "--epochs",
         type=int,
-        help=f"passes over the training rows (default: {BASE_EPOCHS}, or as many as make {MIN_BATCHES:,} "
-        f"batches, at most {MAX_EPOCHS}; --resume: its run's; --preset paper: 6; --preset tiny: 2)",
+        help="passes over the training rows",
     )
     opt.add_argument(
         "--max-steps", type=int, help="stop after N optimizer steps (also sets the schedule length)"
@@ -215,6 +211,15 @@ def _shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+# Defaults that the config leaves open (None) and start-up settles, said in words.
+DEFAULTS_IN_WORDS = {
+    "epochs": f"{BASE_EPOCHS}, or as many as make {MIN_BATCHES:,} batches, at most {MAX_EPOCHS}; --resume: its run's",
+    "loader_workers": "4 on CUDA, 0 on a CPU (0: threads inside the training process)",
+    "target_layer_ids": "the DFlash rule",
+    "mask_token_id": "the first unused embedding row",
+}
+
+
 def _show_preset_defaults(p: argparse.ArgumentParser) -> None:
     """Every flag's help ends with its default (and the other presets' values where they differ).
     The parser itself has no defaults (SUPPRESS): a flag left out must not override --config."""
@@ -222,9 +227,9 @@ def _show_preset_defaults(p: argparse.ArgumentParser) -> None:
     default = flats.pop("default")
     for action in p._actions:
         key = action.dest
-        if key not in default or key in ("cache", "out", "resume") or "default" in (action.help or ""):
+        if key not in default or key in ("cache", "out", "resume"):
             continue
-        text = f"default: {_shown(default[key])}"
+        text = f"default: {DEFAULTS_IN_WORDS.get(key) or _shown(default[key])}"
         for name, flat in flats.items():
             if flat[key] != default[key]:
                 text += f"; --preset {name}: {_shown(flat[key])}"

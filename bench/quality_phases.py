@@ -216,7 +216,8 @@ def run_flags(
     recipe = size.drafter
     # Every run evaluates at its end too, so a call cut off before its `Scorer` turn still has each tau.
     if recipe.steps is None:  # its epochs set the length; dflash-train evaluates at its last step anyway
-        eval_every = DEFAULTS_CURVE_EVERY if run.curve else 1 << 30
+        # every run evaluates along the way, curve or not: on the defaults --early-stop reads the evaluations
+        eval_every = DEFAULTS_CURVE_EVERY
         save_every = DEFAULTS_SAVE_EVERY
     else:
         eval_every = max(1, recipe.steps // recipe.eval_points) if run.curve else recipe.steps

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash.train.config import DraftSpec, LoaderConfig, OptimConfig
+from dflash.train.config import DEFAULT_EARLY_STOP, DraftSpec, LoaderConfig, OptimConfig
 from dflash.train.resume_checks import BEFORE_DEFAULTS
 from dflash.train.schedule import DEFAULT_EPOCHS_RULE
 
@@ -23,7 +23,8 @@ OLD_ORDER = BEFORE_DEFAULTS["data_order"]
 # dflash-train's length without --epochs, as a report records it (`default_epochs`): runs on its defaults
 # trained this long. A report that names none predates `schedule.default_epochs`: 6 epochs on any dataset.
 OLD_DEFAULT_EPOCHS = "6"
-NOW_DEFAULT_EPOCHS = DEFAULT_EPOCHS_RULE
+# since --early-stop (on by default) the length also ends where the held-out walk falls below its best
+NOW_DEFAULT_EPOCHS = f"{DEFAULT_EPOCHS_RULE}; --early-stop {DEFAULT_EARLY_STOP:g}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,6 +57,7 @@ class DrafterRecipe:
             "--lr", str(self.lr),
             "--max-steps", str(self.steps),
             "--epochs", "1000",
+            "--early-stop", "0",  # every recorded run of a fixed-step recipe trained all its steps
             *(["--target-layer-ids", self.target_layer_ids] if self.target_layer_ids else []),
             # a fixed decay, as every recorded run of this benchmark (dflash-train's default is `reach`)
             *(["--slot-weights", "decay", "--gamma", str(self.gamma)] if self.gamma is not None else []),

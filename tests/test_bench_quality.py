@@ -97,7 +97,7 @@ def test_score_on_extracts_the_scoring_cache_without_training_on_it(tmp_path: Pa
     report = json.loads((work / "runs" / "quality.json").read_text())
     assert report["scored_on"] == "lossless" and [r["run"] for r in report["runs"]] == ["base-q4-f1-s0"]
     # the default length its runs trained under: it merges with reports of the same only
-    assert report["default_epochs"] == "6, up to 10 below 6,000 batches"
+    assert report["default_epochs"] == "6, up to 10 below 6,000 batches; --early-stop 0.02"
     assert json.loads((work / "cache-lossless" / "manifest.json").read_text())["complete"]
     assert opened == [work / "cache-lossless"]  # the q4 drafter was scored on exact states
 
@@ -312,11 +312,17 @@ def test_recipe_defaults_trains_what_dflash_train_does_with_no_recipe_flag(tmp_p
             plain.optim.lr,
         )  # reported
         assert trained.data.token_budget == plain.data.token_budget == size.drafter.token_budget
-        assert trained.eval_every == (quality_sizes.DEFAULTS_CURVE_EVERY if run.curve else 1 << 30)
+        # every run evaluates along the way, so that the default --early-stop acts as it would alone
+        assert trained.eval_every == quality_sizes.DEFAULTS_CURVE_EVERY
+        assert trained.early_stop == plain.early_stop > 0
     # --steps still bounds such a run, and nothing else of the recipe changes.
     short = replace(size, drafter=replace(size.drafter, steps=300))
     flags = quality_phases.run_flags(runs[1], tmp_path, short, meta, "cuda", [])
     assert build_config(flags).optim.max_steps == 300
+    # a fixed-step recipe trains all its steps, as every run recorded on one did
+    ci = bench_quality.SIZES["ci"]
+    (fixed, *_) = quality_sizes.plan_runs(tmp_path, replace(ci, fractions=(1.0,)), ["fp8"], {"base": ()})
+    assert build_config(quality_phases.run_flags(fixed, tmp_path, ci, meta, "cpu", [])).early_stop == 0
     # The evaluation is built from the size's block size, anchors and pack budget: a size whose differ from the
     # trainer's defaults is refused, not scored on another block size.
     with pytest.raises(ValueError, match="block_size is 8, dflash-train's 16"):

@@ -38,10 +38,12 @@ def test_the_default_is_the_paper_recipe_with_reach_weights_and_preset_paper_is_
     assert (default.optim.epochs, paper.optim.epochs) == (None, 6)
     # nothing else differs: the default keeps the paper's shape and optimizer
     differ = {k for k, v in default.to_flat().items() if paper.to_flat()[k] != v}
-    assert differ == {"slot_weights", "epochs"}
-    assert cli.build_config(
-        ["--cache", "C", "--out", "O", "--preset", "paper", "--slot-weights", "reach", "--epochs", "6"]
-    ) == cli.build_config(["--cache", "C", "--out", "O", "--epochs", "6"])
+    assert differ == {"slot_weights", "epochs", "early_stop"}  # the paper trains its whole schedule
+    assert (default.early_stop, paper.early_stop) == (0.02, 0.0)
+    paper_as_default = ["--preset", "paper", "--slot-weights", "reach", "--early-stop", "0.02"]
+    assert cli.build_config(["--cache", "C", "--out", "O", *paper_as_default, "--epochs", "6"]) == (
+        cli.build_config(["--cache", "C", "--out", "O", "--epochs", "6"])
+    )
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     shown = " ".join(capsys.readouterr().out.split())
@@ -87,6 +89,8 @@ def test_config_file_keys_mirror_flags_and_flags_win(tmp_path: Path, suffix: str
         (["--cache", "C", "--out", "O", "--copy-anchor-weight", "0.5"], "copy_anchor_weight=0.5: must be"),
         (["--cache", "C", "--out", "O", "--copy-slot-weight", "-1"], "copy_slot_weight=-1.0: must be"),
         (["--cache", "C", "--out", "O", "--copy-slot-weight", "nan"], "copy_slot_weight=nan: must be"),
+        (["--cache", "C", "--out", "O", "--early-stop", "1"], "early_stop=1.0: must be in [0, 1)"),
+        (["--cache", "C", "--out", "O", "--early-stop", "nan"], "early_stop=nan: must be in [0, 1)"),
         (["--cache", "/nonexistent/cache", "--out", "O"], "no manifest"),
         (["--cache", "C", "--out", "O", "--device", "cpu", "--attention", "flex"], "needs a CUDA device"),
     ],

@@ -49,6 +49,9 @@ def test_plan_matches_the_run_and_writes_nothing(cache: Path, tmp_path: Path, ca
     assert result["checkpoints_disk_bytes"] == 12 * trained * (cfg.keep_checkpoints + 1) + 4 * trained
     assert plan["checks"].startswith("passed") and "fits" in plan["checkpoints"]
     assert plan["not cached"] == "none: every dataset row is in the cache"
+    assert plan["held out"].endswith("never trained on; evaluated every 10 steps")  # tiny: no early stop
+    early = _plan(capsys, [*argv, "--early-stop", "0.02"])["held out"]
+    assert early.endswith("every 10 steps, the run ends at a walk 2% below its best (--early-stop)")
 
 
 def test_a_disk_too_small_for_the_checkpoints_is_said(

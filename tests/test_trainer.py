@@ -105,6 +105,39 @@ def test_the_best_drafter_is_the_best_decode_walk_not_the_best_tau(
     assert all(torch.equal(a, b.to(a.dtype)) for a, b in pairs)  # the export is step 4's weights
 
 
+def test_early_stop_ends_the_run_where_the_walk_fell_and_a_resume_trains_on_only_when_told(
+    cache_dir: Path, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    # prose's curve on the quality benchmark: a peak, then the walk falls. 1.6 is 11% below 1.8: the run ends
+    # at step 6 of 12, its checkpoint there says so, and RUN/export keeps step 4's drafter.
+    walks = {2: 1.5, 4: 1.8, 6: 1.6, 8: 1.7, 10: 1.9, 12: 2.0}
+    real = Trainer.evaluate
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: {**real(self), "tau_walk": walks[self.step]})
+    run = tmp_path / "run"
+    knobs = dict(epochs=3, eval_every=2, save_every=0, tensorboard=False, plots=False)  # 12 steps
+    with caplog.at_level(logging.INFO, logger="dflash.train"):
+        result = train(tiny_debug(str(cache_dir), str(run), early_stop=0.1, **knobs))
+    assert (result.step, result.ended_early, result.best_walk) == (6, True, 1.8)
+    meta = json.loads((ckpt.latest_checkpoint(run) / "meta.json").read_text())
+    assert (meta["step"], meta["ended_early"], meta["finished"]) == (6, True, False)
+    assert read_metrics(run)[-1]["ended_early"] is True
+    assert ckpt.read_json(run / "best" / "meta.json")["step"] == 4
+    assert any("11.1% below the best, 1.800" in r.getMessage() for r in caplog.records)
+
+    # a resume with it on trains nothing; with --early-stop 0 it goes on where the run was, to its end
+    with caplog.at_level(logging.INFO, logger="dflash.train"):
+        again = train(tiny_debug(str(cache_dir), str(run), early_stop=0.1, resume=True, **knobs))
+    assert (again.step, again.ended_early) == (6, True)
+    assert any(
+        "nothing to train; --resume --early-stop 0 trains on" in r.getMessage() for r in caplog.records
+    )
+    on = train(tiny_debug(str(cache_dir), str(run), early_stop=0.0, resume=True, **knobs))
+    assert (on.step, on.ended_early, on.best_walk) == (12, False, 2.0)
+    # a fall smaller than the share does not end a run
+    calm = train(tiny_debug(str(cache_dir), str(tmp_path / "calm"), early_stop=0.2, **knobs))
+    assert (calm.step, calm.ended_early) == (12, False)
+
+
 def test_startup_breakdown_once_per_launch(cache_dir: Path, tmp_path: Path, caplog) -> None:
     """Each launch's set-up, phase by phase to the end of its first step: one INFO line, and a `startup`
     entry in the launch's first metrics record (other keys and records as before)."""

@@ -94,6 +94,12 @@ def _train_parser() -> argparse.ArgumentParser:
         "epilogue (see BENCHMARKS.md); a compile failure falls back to eager",
     )
     run.add_argument("--eval-every", type=int, help="evaluate every N steps and at the end (0: never)")
+    run.add_argument(
+        "--early-stop",
+        type=float,
+        help="end the run at an evaluation whose held-out decode walk is this share below its best so far "
+        "(RUN/export keeps the best; 0: train the whole schedule)",
+    )
     run.add_argument("--save-every", type=int, help="checkpoint every N steps (and at the end)")
     run.add_argument("--log-every", type=int, help="write metrics every N steps")
     run.add_argument(
@@ -344,6 +350,11 @@ def main_impl(argv: Sequence[str] | None) -> int:
         print(
             f"done: step {result.step}, checkpoint {result.last_checkpoint}"
             + (f", best decode walk {result.best_walk:.3f}" if result.best_walk is not None else "")
+            + (
+                f" (ended early: the walk fell more than --early-stop {cfg.early_stop:g} below it)"
+                if result.ended_early
+                else ""
+            )
         )
         for line in run_verdict(cfg):
             print(line)

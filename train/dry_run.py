@@ -102,6 +102,8 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
             "warmup_steps": schedule.warmup_steps(cfg.optim),
             "heldout_fraction": spec.heldout_fraction,
             "heldout_rows": len(spec.heldout_rows),
+            "eval_every": cfg.eval_every,
+            "early_stop": cfg.early_stop,
             "out": str(out),
             "resume": bool(resuming and cfg.resume),
             "resume_step": resume_step,  # None: a new run, or a --resume with no checkpoint yet
@@ -134,6 +136,11 @@ def print_plan(plan: dict[str, Any]) -> None:
         )
     held = f"{plan['heldout_fraction']:.1%} of the rows"
     held += f" and {plan['heldout_rows']:,} rows from --eval-rows" if plan["heldout_rows"] else ""
+    held += ", never trained on"
+    if plan["eval_every"]:
+        held += f"; evaluated every {plan['eval_every']:,} steps"
+        if plan["early_stop"]:
+            held += f", the run ends at a walk {100 * plan['early_stop']:g}% below its best (--early-stop)"
     lines = [
         ("cache", f"{plan['cache']} ({plan['codec']}, {plan['rows']:,} rows, {plan['tokens']:,} tokens)"),
         (
@@ -151,7 +158,7 @@ def print_plan(plan: dict[str, Any]) -> None:
         ),
         ("features", f"target layers {plan['target_layers']}: {plan['target_layers_why']}"),
         ("schedule", steps),
-        ("held out", f"{held}, never trained on"),
+        ("held out", held),
         (
             "checkpoints",
             f"{size_text(plan['checkpoint_bytes'])} each, up to {size_text(plan['checkpoints_disk_bytes'])} on disk; "

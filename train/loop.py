@@ -1,5 +1,5 @@
 """The training loop: `train` builds a `Trainer`, resumes it, and `fit` runs it until the data, the step
-budget or a stop request ends it.
+budget, `--early-stop` (the held-out walk fell below its best) or a stop request ends it.
 
 Per step: take `grad_accum` micro-batches (time blocked on the loader is data wait), step, then on the steps
 that call for it check the finite guard, log (one small all-reduce), evaluate (rank 0; a new best walk writes
@@ -41,6 +41,7 @@ class TrainResult:
     best_walk: float | None  # the best held-out decode walk (RUN/best's and RUN/export's)
     final_metrics: dict[str, Any]
     stopped_by: int | None = None  # the signal that stopped the run early, after its checkpoint
+    ended_early: bool = False  # --early-stop ended it (its checkpoint says so: a resume trains no further)
 
 
 def train(cfg: TrainConfig, stop: StopRequest | None = None) -> TrainResult:
@@ -70,9 +71,17 @@ def fit(trainer: Trainer) -> TrainResult:
     startup: dict[str, float] | None = None  # this launch's set-up, until its first record holds it
     launch_start = trainer.step  # a resumed launch's first step is launch_start + 1
     stopping = False
+    ended_early = trainer.ended_early and cfg.early_stop > 0
+    if ended_early and trainer.info.is_main:
+        log.info(
+            "--early-stop ended this run at step %d (its held-out walk fell below its best, %.3f): nothing to "
+            "train; --resume --early-stop 0 trains on",
+            trainer.step,
+            trainer.best_walk,
+        )
     try:
         lookahead, wait = _timed_next(batches)  # one batch ahead, so the last step is known when it runs
-        while lookahead is not None and trainer.step < trainer.max_steps and not stopping:
+        while lookahead is not None and trainer.step < trainer.max_steps and not (stopping or ended_early):
             # --- take grad_accum micro-batches (time blocked on the loader is data wait)
             micro: list[LoadedBatch] = []
             while lookahead is not None and len(micro) < cfg.optim.grad_accum:
@@ -113,6 +122,10 @@ def fit(trainer: Trainer) -> TrainResult:
             # --- evaluate (rank 0; the others wait at the barrier)
             if do_eval:
                 record = {**record, **trainer.evaluate_and_keep_best(loader_state)}
+                ended_early = not finished and trainer.ends_early(record)
+                if ended_early:
+                    record, saving = {**record, "ended_early": True}, True
+                    _log_early_end(trainer, record)
             if record.get("step") == trainer.step and (cfg.log_every or do_eval):
                 if startup is not None:
                     record, startup = {**record, "startup": startup}, None
@@ -124,7 +137,7 @@ def fit(trainer: Trainer) -> TrainResult:
             )
             # --- checkpoint (rank 0 writes; the others wait so nobody races ahead of a slow disk)
             if saving:
-                last_saved = trainer.save_step(loader_state, finished) or last_saved
+                last_saved = trainer.save_step(loader_state, finished, ended_early) or last_saved
             if logged:  # throughput windows exclude evaluation and checkpoint time
                 window = LogWindow()
     finally:
@@ -132,7 +145,9 @@ def fit(trainer: Trainer) -> TrainResult:
         logger.close()
     _report_skips(trainer, loader_state)
     stopped_by = (trainer.stop.requested or signal.SIGTERM) if stopping else None  # another rank's signal
-    return TrainResult(trainer.step, trainer.run_dir, last_saved, trainer.best_walk, record, stopped_by)
+    return TrainResult(
+        trainer.step, trainer.run_dir, last_saved, trainer.best_walk, record, stopped_by, ended_early
+    )
 
 
 def _open_logger(trainer: Trainer) -> MetricsLogger:
@@ -156,6 +171,20 @@ def _open_logger(trainer: Trainer) -> MetricsLogger:
             f"{'resuming at step ' + str(trainer.step) if trainer.step else 'from scratch'}"
         )
     return logger
+
+
+def _log_early_end(trainer: Trainer, record: dict[str, Any]) -> None:
+    if trainer.info.is_main:
+        log.info(
+            "--early-stop %g: the held-out walk %.3f at step %d is %.1f%% below the best, %.3f (RUN/export); "
+            "the run ends here, %d steps before its schedule's end",
+            trainer.cfg.early_stop,
+            record["tau_walk"],
+            trainer.step,
+            100 * (1 - record["tau_walk"] / trainer.best_walk),
+            trainer.best_walk,
+            trainer.planned_steps - trainer.step,
+        )
 
 
 def _finish_startup(

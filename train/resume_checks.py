@@ -36,6 +36,7 @@ RESUMABLE_KEYS = frozenset(
         "attention",  # a kernel choice: both paths compute the same function
         "compile",  # likewise
         "eval_every",
+        "early_stop",  # where the run ends, not the steps before it
         "save_every",
         "log_every",
         "keep_checkpoints",

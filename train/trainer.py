@@ -58,6 +58,7 @@ from .schedule import Schedule, estimate_total_steps, resumed_schedule
 from .slot_weights import ReachWeights
 from .startup import StartupClock
 from .stop_signal import StopRequest
+from .verdict import fell_below_best
 
 log = logging.getLogger(__name__)
 EXPORT_DIR = "export"
@@ -119,6 +120,7 @@ class Trainer:
         self.ddp_model = wrap_model(self.model, info)
         self.autocast = mixed_precision(device)
         self.step, self.best_walk, self.last_tau = 0, None, None
+        self.ended_early = False  # --early-stop ended the run (a resume with it on trains no further)
         self.schedule = Schedule(estimate_total_steps(cache.manifest, cfg, info.world_size))
         self.eval_set: EvalSet | None = None
         self.guard = FiniteGuard(cache, spec.layer_ids)  # a NaN/inf loss or gradient stops the run
@@ -176,6 +178,7 @@ class Trainer:
         self.loader.load_state_dict(loader_state)
         # a run from before the walk chose the best has none: its next evaluation writes RUN/best again
         self.step, self.best_walk = meta["step"], meta.get("best_walk")
+        self.ended_early = bool(meta.get("ended_early", False))
         saved = Schedule.saved(meta)
         self.schedule, changed = resumed_schedule(
             meta, self.cfg, self.cache.manifest, self.info.world_size, loader_state
@@ -319,11 +322,23 @@ class Trainer:
         barrier(self.info)
         return result
 
-    def save_step(self, loader_state: dict[str, Any], finished: bool = False) -> Path | None:
+    def ends_early(self, result: dict[str, Any]) -> bool:
+        """Whether this evaluation's walk (rank 0's `result`) fell `--early-stop` below the run's best; every
+        rank gets rank 0's answer."""
+        if self.cfg.early_stop <= 0:
+            return False
+        fell = self.info.is_main and fell_below_best(
+            result.get("tau_walk"), self.best_walk, self.cfg.early_stop
+        )
+        return self.reduce_sum([float(fell)])[0] > 0
+
+    def save_step(
+        self, loader_state: dict[str, Any], finished: bool = False, ended_early: bool = False
+    ) -> Path | None:
         """RUN/checkpoints/step_N (every rank calls it: the skip count is summed over ranks first); `finished`:
         the run's last step, its schedule run out (a resume for longer restarts it)."""
         skipped = all_reduce_sum([float(loader_state["skipped_samples"])], self.info)[0]
-        extra: dict[str, Any] = {"finished": finished}
+        extra: dict[str, Any] = {"finished": finished, "ended_early": ended_early}
         if self.reach is not None:
             extra["slot_weights"] = self.reach.state_dict(self.reduce_sum)
         saved = None

@@ -5,8 +5,9 @@ No one length fits every target: on the quality benchmark (BENCHMARKS.md) 6 epoc
 walk still rising at the end (+2.3% over its last ~900 steps; 10 epochs walked 1.51x prompt lookup against
 1.35x), while prose's walk peaked at step 2000 and fell 5-6% by the end of 10 epochs (`schedule.default_epochs`
 gives such a small dataset 10: the worst target's walk decided). The decode walk is deterministic for given
-weights on the fixed held-out rows, so its trend within one run is a reading, not seed noise. Pure: it reads the
-evaluation records of `RUN/metrics.jsonl`; `dflash-train` prints its lines when the run ends.
+weights on the fixed held-out rows, so its trend within one run is a reading, not seed noise. `--early-stop`
+acts on the same reading as the run goes (`fell_below_best`; `early_end` replays it on a finished curve). Pure:
+it reads the evaluation records of `RUN/metrics.jsonl`; `dflash-train` prints its lines when the run ends.
 """
 
 from __future__ import annotations
@@ -38,6 +39,22 @@ def evaluations(records: Iterable[Mapping[str, Any]]) -> list[Evaluation]:
             known = isinstance(lookup, (int, float)) and not isinstance(lookup, bool)
             by_step[r["step"]] = Evaluation(r["step"], float(walk), float(lookup) if known else None)
     return [by_step[s] for s in sorted(by_step)]
+
+
+def fell_below_best(walk: float | None, best: float | None, drop: float) -> bool:
+    """`--early-stop`'s test: an evaluation's walk more than `drop` (a share) below the run's best so far."""
+    return walk is not None and best is not None and walk < best * (1 - drop)
+
+
+def early_end(evals: list[Evaluation], drop: float) -> Evaluation | None:
+    """The evaluation at which `--early-stop drop` ends a run whose evaluations these are (None: it trains to
+    the end), read afterwards: the same test, in the same order, as the trainer makes as it goes."""
+    best: float | None = None
+    for e in evals:
+        if drop > 0 and fell_below_best(e.walk, best, drop):
+            return e
+        best = e.walk if best is None else max(best, e.walk)
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,7 @@ def test_a_run_directory_with_checkpoints_needs_resume(cache: Path, tmp_path: Pa
     assert train_main([*tiny_train_argv(cache, run), "--dry-run"]) != 0
     assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
     plan = _plan(capsys, [*tiny_train_argv(cache, run), "--resume"])
-    assert plan["out"].endswith("(resumes at step 2)")
+    assert plan["out"].endswith("(resumes at step 2)")  # not ended by --early-stop: nothing else said
     # what the resume plans: the first run finished at --max-steps 2, this command runs its epochs out
     manifest = load_manifest(cache)
     epochs = estimate_total_steps(manifest, build_config(tiny_train_argv(cache, run)), world_size=1)

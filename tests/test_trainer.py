@@ -13,6 +13,7 @@ import torch
 from dflash.shards.errors import ManifestMismatch
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import tiny_debug
+from dflash.train.dry_run import dry_run, print_plan
 from dflash.train.export import load_drafter
 from dflash.train.lookup_split import CLASSES
 from dflash.train.loop import train
@@ -106,7 +107,7 @@ def test_the_best_drafter_is_the_best_decode_walk_not_the_best_tau(
 
 
 def test_early_stop_ends_the_run_where_the_walk_fell_and_a_resume_trains_on_only_when_told(
-    cache_dir: Path, tmp_path: Path, monkeypatch, caplog
+    cache_dir: Path, tmp_path: Path, monkeypatch, caplog, capsys
 ) -> None:
     # prose's curve on the quality benchmark: a peak, then the walk falls. 1.6 is 11% below 1.8: the run ends
     # at step 6 of 12, its checkpoint there says so, and RUN/export keeps step 4's drafter.
@@ -124,7 +125,15 @@ def test_early_stop_ends_the_run_where_the_walk_fell_and_a_resume_trains_on_only
     assert ckpt.read_json(run / "best" / "meta.json")["step"] == 4
     assert any("11.1% below the best, 1.800" in r.getMessage() for r in caplog.records)
 
-    # a resume with it on trains nothing; with --early-stop 0 it goes on where the run was, to its end
+    # a resume with it on trains nothing (its dry run says so); with --early-stop 0 it goes on where the run
+    # was, to its end
+    planned = dry_run(tiny_debug(str(cache_dir), str(run), early_stop=0.1, resume=True, **knobs))
+    assert (planned["resume_step"], planned["ended_early"]) == (6, True)
+    print_plan(planned)
+    assert "resumes at step 6, where --early-stop ended the run: nothing to train" in capsys.readouterr().out
+    assert not dry_run(tiny_debug(str(cache_dir), str(run), early_stop=0.0, resume=True, **knobs))[
+        "ended_early"
+    ]
     with caplog.at_level(logging.INFO, logger="dflash.train"):
         again = train(tiny_debug(str(cache_dir), str(run), early_stop=0.1, resume=True, **knobs))
     assert (again.step, again.ended_early) == (6, True)

@@ -63,10 +63,12 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
         check_frozen_finite(cache, frozen)
         manifest = cache.manifest
         schedule, resume_step, moved = Schedule(estimate_total_steps(manifest, cfg, world_size)), None, []
+        ended_early = False  # a resume of a run --early-stop ended trains nothing while the rule is on
         if found is not None:  # what the resume would refuse, and where its schedule would end
             with naming_older_intact(out, found):
                 meta, position = read_resume_state(found, cfg.to_flat(), manifest)
             resume_step = meta["step"]
+            ended_early = bool(meta.get("ended_early")) and cfg.early_stop > 0
             schedule, moved = resumed_schedule(meta, cfg, manifest, world_size, position)
         with torch.device("meta"):  # shapes only: no memory, no init
             params = sum(p.numel() for p in DFlashDrafter(drafter_cfg).parameters() if p.requires_grad)
@@ -107,6 +109,7 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
             "out": str(out),
             "resume": bool(resuming and cfg.resume),
             "resume_step": resume_step,  # None: a new run, or a --resume with no checkpoint yet
+            "ended_early": ended_early,
             "schedule_moved": moved,  # what changes a resumed run's schedule from its checkpoint's (none: kept)
             "checkpoint_bytes": checkpoint,
             "checkpoints_disk_bytes": checkpoints_disk,
@@ -134,6 +137,8 @@ def print_plan(plan: dict[str, Any]) -> None:
         resumes = (
             f"resumes at step {step:,}" if step is not None else "--resume, no checkpoint yet: from scratch"
         )
+        if plan["ended_early"]:
+            resumes += ", where --early-stop ended the run: nothing to train; --early-stop 0 trains on"
     held = f"{plan['heldout_fraction']:.1%} of the rows"
     held += f" and {plan['heldout_rows']:,} rows from --eval-rows" if plan["heldout_rows"] else ""
     held += ", never trained on"

@@ -28,7 +28,7 @@ from .checkpoint import resume_point
 from .config import TrainConfig
 from .guards import check_frozen_finite
 from .model import DFlashDrafter
-from .resume_checks import naming_older_intact, read_resume_state
+from .resume_checks import ended_by_early_stop, naming_older_intact, read_resume_state
 from .run_parts import check_resume_rule, check_run_unlocked, checked_parts, settle_epochs
 from .schedule import Schedule, estimate_total_steps, resumed_schedule
 from .startup import StartupClock
@@ -68,7 +68,7 @@ def dry_run(cfg: TrainConfig, world_size: int = 1) -> dict[str, Any]:
             with naming_older_intact(out, found):
                 meta, position = read_resume_state(found, cfg.to_flat(), manifest)
             resume_step = meta["step"]
-            ended_early = bool(meta.get("ended_early")) and cfg.early_stop > 0
+            ended_early = ended_by_early_stop(meta, cfg)
             schedule, moved = resumed_schedule(meta, cfg, manifest, world_size, position)
         with torch.device("meta"):  # shapes only: no memory, no init
             params = sum(p.numel() for p in DFlashDrafter(drafter_cfg).parameters() if p.requires_grad)

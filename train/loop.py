@@ -63,6 +63,15 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> TrainResult:
 def fit(trainer: Trainer) -> TrainResult:
     """Stream, step, log, evaluate, checkpoint until the data or the step budget ends."""
     cfg, loader = trainer.cfg, trainer.loader
+    if trainer.ended_early:  # before the logger and the loader start: there is no step to take
+        if trainer.info.is_main:
+            log.info(
+                "--early-stop ended this run at step %d (its held-out walk fell below its best, %.3f): nothing "
+                "to train; --resume --early-stop 0 trains on",
+                trainer.step,
+                trainer.best_walk,
+            )
+        return TrainResult(trainer.step, trainer.run_dir, None, trainer.best_walk, {}, ended_early=True)
     with trainer.startup.phase("logger"):
         logger = _open_logger(trainer)
     batches = loader.iterate()
@@ -70,15 +79,7 @@ def fit(trainer: Trainer) -> TrainResult:
     window, record, last_saved, started = LogWindow(), {}, None, time.perf_counter()
     startup: dict[str, float] | None = None  # this launch's set-up, until its first record holds it
     launch_start = trainer.step  # a resumed launch's first step is launch_start + 1
-    stopping = False
-    ended_early = trainer.ended_early and cfg.early_stop > 0
-    if ended_early and trainer.info.is_main:
-        log.info(
-            "--early-stop ended this run at step %d (its held-out walk fell below its best, %.3f): nothing to "
-            "train; --resume --early-stop 0 trains on",
-            trainer.step,
-            trainer.best_walk,
-        )
+    stopping = ended_early = False
     try:
         lookahead, wait = _timed_next(batches)  # one batch ahead, so the last step is known when it runs
         while lookahead is not None and trainer.step < trainer.max_steps and not (stopping or ended_early):

@@ -120,6 +120,12 @@ def check_resume(saved: dict[str, Any], cfg_flat: dict[str, Any], manifest: Mani
         )
 
 
+def ended_by_early_stop(meta: dict[str, Any], cfg: TrainConfig) -> bool:
+    """A checkpoint where `--early-stop` ended its run, resumed with the rule still on: nothing to train (the
+    walk already fell past its best; `--early-stop 0` trains on)."""
+    return bool(meta.get("ended_early")) and cfg.early_stop > 0
+
+
 def read_resume_state(
     ckpt: Path, cfg_flat: dict[str, Any], manifest: Manifest
 ) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -52,7 +52,7 @@ from .parallelize import (
     shutdown,
     wrap_model,
 )
-from .resume_checks import cache_identity, naming_older_intact, read_resume_state
+from .resume_checks import cache_identity, ended_by_early_stop, naming_older_intact, read_resume_state
 from .run_parts import open_run, release_lock
 from .schedule import Schedule, estimate_total_steps, resumed_schedule
 from .slot_weights import ReachWeights
@@ -120,7 +120,9 @@ class Trainer:
         self.ddp_model = wrap_model(self.model, info)
         self.autocast = mixed_precision(device)
         self.step, self.best_walk, self.last_tau = 0, None, None
-        self.ended_early = False  # --early-stop ended the run (a resume with it on trains no further)
+        self.ended_early = (
+            False  # resumed where --early-stop ended the run, the rule still on: nothing to train
+        )
         self.schedule = Schedule(estimate_total_steps(cache.manifest, cfg, info.world_size))
         self.eval_set: EvalSet | None = None
         self.guard = FiniteGuard(cache, spec.layer_ids)  # a NaN/inf loss or gradient stops the run
@@ -178,7 +180,7 @@ class Trainer:
         self.loader.load_state_dict(loader_state)
         # a run from before the walk chose the best has none: its next evaluation writes RUN/best again
         self.step, self.best_walk = meta["step"], meta.get("best_walk")
-        self.ended_early = bool(meta.get("ended_early", False))
+        self.ended_early = ended_by_early_stop(meta, self.cfg)
         saved = Schedule.saved(meta)
         self.schedule, changed = resumed_schedule(
             meta, self.cfg, self.cache.manifest, self.info.world_size, loader_state

@@ -80,34 +80,66 @@ def _paired(runs: list[Run], differ: str, ref_name: str) -> list[dict[str, Any]]
     return table
 
 
+def at_best_evaluation(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run as RUN/export keeps it: its walk at its best evaluation along the way (the trainer's own, on the
+    held-out rows the scoring uses), with that evaluation's `step` and whether it is the curve's `last`; runs
+    without a curve are left out."""
+    kept = []
+    for run in runs:
+        points = [p for p in run.get("curve", []) if "tau_walk" in p]
+        if points:
+            best = max(points, key=lambda p: p["tau_walk"])
+            last = best["step"] == max(p["step"] for p in points)
+            kept.append({"run": run["run"], "tau_walk": best["tau_walk"], "step": best["step"], "last": last})
+    return kept
+
+
 def print_gaps(report: dict[str, Any]) -> None:
-    """Both tables, each once it has a pair."""
+    """Both tables, each once it has a pair; then the same pairs on each run's best evaluation (RUN/export) where
+    some run's best is not its last checkpoint (`--early-stop` ended it, or its walk peaked before its end)."""
     for differ, table in (("codec", codec_gaps(report["runs"])), ("variant", variant_gaps(report["runs"]))):
         if not table:
             continue
         what = "codecs against lossless" if differ == "codec" else f"variants against {table[0]['reference']}"
+        _print_table(
+            report, differ, table, f"{what}, paired by seed (walk / the same seed's reference walk - 1; a seed's "
+            "±: the held-out rows' standard error of its gap, where the report kept each row's walk):",
+        )  # fmt: skip
+    best = at_best_evaluation(report["runs"])
+    tables = [("codec", codec_gaps(best)), ("variant", variant_gaps(best))]
+    if all(run["last"] for run in best) or not any(table for _, table in tables):
+        return
+    for differ, table in tables:
+        _print_table(
+            report, differ, table, f"the same {differ} pairs as RUN/export keeps each run: its best evaluation "
+            "along the way (the trainer's own walk on these held-out rows, so picked on them), what dflash-train "
+            "hands a user where the walk fell before the end:",
+        )  # fmt: skip
+    print("  best at step: " + ", ".join(f"{run['run']} {run['step']}" for run in best))
+
+
+def _print_table(report: dict[str, Any], differ: str, table: list[dict[str, Any]], title: str) -> None:
+    if not table:
+        return
+    print(f"\n{title}")
+    order = report.get("data_order", OLD_ORDER)
+    if differ == "codec" and order != "spans":
         print(
-            f"\n{what}, paired by seed (walk / the same seed's reference walk - 1; a seed's ±: the held-out rows' "
-            "standard error of its gap, where the report kept each row's walk):"
+            "(runs from before the spans data order: each codec's cache gave its runs their own batches)"
+            if order == OLD_ORDER
+            else "(runs on both data orders: a codec pair shares its batches where both ran on spans)"
         )
-        order = report.get("data_order", OLD_ORDER)
-        if differ == "codec" and order != "spans":
-            print(
-                "(runs from before the spans data order: each codec's cache gave its runs their own batches)"
-                if order == OLD_ORDER
-                else "(runs on both data orders: a codec pair shares its batches where both ran on spans)"
-            )
-        label_of = (*_SHARED[differ], differ)
-        print(
-            f"{', '.join(label_of):<30} {'per seed':<44} {'mean gap':>9} {'± se':>6} {'of means':>9} "
-            f"{'reference spread':>17}"
+    label_of = (*_SHARED[differ], differ)
+    print(
+        f"{', '.join(label_of):<30} {'per seed':<44} {'mean gap':>9} {'± se':>6} {'of means':>9} "
+        f"{'reference spread':>17}"
+    )
+    for row in table:
+        seeds = " ".join(
+            f"{s} {g:+.1%}" + ("" if se is None else f"±{se:.1%}")
+            for s, g, se in zip(row["seeds"], row["per_seed"], row["per_seed_rows_se"], strict=True)
         )
-        for row in table:
-            seeds = " ".join(
-                f"{s} {g:+.1%}" + ("" if se is None else f"±{se:.1%}")
-                for s, g, se in zip(row["seeds"], row["per_seed"], row["per_seed_rows_se"], strict=True)
-            )
-            label = ", ".join(str(row[name]) for name in label_of)
-            se = "-" if row["mean_gap_se"] is None else f"{row['mean_gap_se']:.1%}"
-            print(f"{label:<30} {seeds:<44} {row['mean_of_gaps']:>+9.1%} {se:>6} {row['gap_of_means']:>+9.1%} "
-                  f"{row['reference_spread']:>17.1%}")  # fmt: skip
+        label = ", ".join(str(row[name]) for name in label_of)
+        se = "-" if row["mean_gap_se"] is None else f"{row['mean_gap_se']:.1%}"
+        print(f"{label:<30} {seeds:<44} {row['mean_of_gaps']:>+9.1%} {se:>6} {row['gap_of_means']:>+9.1%} "
+              f"{row['reference_spread']:>17.1%}")  # fmt: skip

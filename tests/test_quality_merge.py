@@ -10,7 +10,7 @@ import pytest
 from dflash.train.verdict import evaluations, verdict
 from dflash.train.walk_stats import paired_gap
 
-from bench import quality_merge
+from bench import quality_gaps, quality_merge
 from bench.quality_gaps import codec_gaps, print_gaps, variant_gaps
 from bench.quality_report import data_order
 from bench.quality_sizes import NOW_DEFAULT_EPOCHS, Run
@@ -292,6 +292,37 @@ def test_variants_pair_with_the_first_variant_of_their_codec_and_seed(capsys) ->
     print_gaps(report)
     out = capsys.readouterr().out
     assert "variants against a" in out and "lossless, f1, b" in out and "codecs against lossless" in out
+
+
+def test_runs_that_peaked_before_their_end_are_also_paired_as_run_export_keeps_them(capsys) -> None:
+    def curve(*walks: float) -> list[dict]:
+        return [{"step": 1000 * (i + 1), "tau_walk": w} for i, w in enumerate(walks)]
+
+    report = _report({})
+    report[
+        "runs"
+    ] = [  # as `--early-stop` leaves them: the scored walk is the last checkpoint's, past the peak
+        {"run": "base-lossless-f1-s0", "tau_walk": 1.60, "curve": curve(1.60, 1.70, 1.62)},
+        {"run": "base-q4-f1-s0", "tau_walk": 1.64, "curve": curve(1.62, 1.65, 1.67, 1.64)},
+        {"run": "base-fp8-f1-s1", "tau_walk": 1.5},  # no curve: left out of the second table
+    ]
+    best = quality_gaps.at_best_evaluation(report["runs"])
+    assert [(b["run"], b["tau_walk"], b["step"], b["last"]) for b in best] == [
+        ("base-lossless-f1-s0", 1.70, 2000, False),
+        ("base-q4-f1-s0", 1.67, 3000, False),
+    ]
+    (gap,) = quality_gaps.codec_gaps(best)
+    assert gap["per_seed"] == pytest.approx([1.67 / 1.70 - 1])  # -1.8%, where the last checkpoints give +2.5%
+    print_gaps(report)
+    out = capsys.readouterr().out
+    assert "s0 +2.5%" in out and "as RUN/export keeps each run" in out and "s0 -1.8%" in out
+    assert "best at step: base-lossless-f1-s0 2000, base-q4-f1-s0 3000" in out
+    # runs whose best is their last evaluation (every code and hybrid run recorded) print the first table only
+    for run in report["runs"][:2]:
+        run["curve"] = curve(1.5, run["tau_walk"])
+    print_gaps(report)
+    out = capsys.readouterr().out
+    assert "codecs against lossless" in out and "RUN/export" not in out
 
 
 def test_the_recorded_cpu_size_distillation_gives_benchmarks_number() -> None:

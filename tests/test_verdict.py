@@ -90,11 +90,15 @@ def test_early_end_is_the_first_evaluation_below_the_best_before_it(walks: list[
 def test_the_recorded_curves_end_early_only_on_prose_at_ten_epochs(capsys) -> None:
     # BENCHMARKS.md, "--early-stop": 2% ends each ten-epoch prose run at step 4000 of ~6,278 (1.379x / 1.384x /
     # 1.414x prompt lookup there, against 1.350x / 1.352x / 1.384x at the end); no code or hybrid run, nor any
-    # six-epoch run, ends before its schedule does
+    # six-epoch run, ends before its schedule does (nor the ten-epoch code runs recorded since, with the rule on)
     rows = early_stop_replay.replay(sorted(early_stop_replay.REPORTS.glob("*-full-*.json")), 0.02)
     ended = {(r["report"], r["run"]): (r["end"], round(r["x_lookup"], 3)) for r in rows if r["end"]}
     assert ended == {
         ("prose-full-e10-s0-s2-h100", f"e10-lossless-f1-s{s}"): (4000, x)
         for s, x in ((0, 1.379), (1, 1.384), (2, 1.414))
     }
-    assert len(rows) == 35
+    assert len(rows) == 38  # 35 curves when the rule was chosen, and code's ten-epoch q4 job's 3
+    code_e10 = [r for r in rows if r["report"] == "code-full-defaults-e10-s2-q4delta-h100"]
+    assert [(r["run"], r["steps"]) for r in code_e10] == [
+        (f"base-{c}-f1-s2", 6530) for c in ("lossless", "q4", "q4delta")
+    ]

@@ -13,6 +13,11 @@ Each row gives the per-seed gaps (walk / the reference's walk - 1), their mean a
 and the reference runs' own spread over seeds. Where both runs of a seed kept each held-out row's walk
 (`walk_rows`), the seed's gap also gets the held-out rows' part of its error (`walk_stats.paired_gap`): what
 more held-out rows would shrink, against what only more seeds average out.
+
+A run's scored walk is its last checkpoint's. Where `--early-stop` ended a run (or its walk peaked before the end)
+that is not the drafter `dflash-train` hands a user, RUN/export, its best evaluation: `print_gaps` then pairs the
+runs again on each one's best evaluation along the way (`at_best_evaluation`, the trainer's own walks on the same
+held-out rows, so selected on them, and without the rows' error).
 """
 
 from __future__ import annotations

@@ -147,6 +147,18 @@ def test_the_layer_delta_job_trains_q4_and_its_simulated_delta_beside_lossless_f
         "base-q4delta-f1-s1",
     ]
     assert sorted(g["codec"] for g in codec_gaps(report["runs"])) == ["q4", "q4delta"]
+    # a later session's codec alone (CODECS=fp8) from the same pack: extracts lossless only to score on, trains
+    # fp8 alone, and the merge pairs it with the lossless run above (same rows and batches)
+    alone = _cpu_job(
+        tmp_path, "bench/jobs/seeds.sh", "code", "1", name="fp8", UNPACK=str(packed / "pack"), CODECS="fp8"
+    )
+    (later,) = [json.loads(p.read_text()) for p in alone.glob("*.json")]
+    assert [r["run"] for r in later["runs"]] == ["base-fp8-f1-s1"] and later["scored_on"] == "lossless"
+    paths = [out / "code-s1-q4delta.json", alone / "code-s1.json"]
+    merged = quality_merge.merge({p: quality_merge.read_report(p) for p in paths})
+    assert sorted((g["codec"], tuple(g["seeds"])) for g in codec_gaps(merged["runs"])) == [
+        ("fp8", ("s1",)), ("q4", ("s1",)), ("q4delta", ("s1",))
+    ]  # fmt: skip
 
 
 def test_await_cache_fails_once_the_process_making_the_cache_has_ended(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash.train.verdict import evaluations
 from dflash.train.walk_stats import RowWalks, paired_gap
 
 from bench.quality_sizes import OLD_ORDER, Run
@@ -94,11 +95,12 @@ def at_best_evaluation(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     without a curve are left out."""
     kept = []
     for run in runs:
-        points = [p for p in run.get("curve", []) if "tau_walk" in p]
-        if points:
-            best = max(points, key=lambda p: p["tau_walk"])
-            last = best["step"] == max(p["step"] for p in points)
-            kept.append({"run": run["run"], "tau_walk": best["tau_walk"], "step": best["step"], "last": last})
+        evals = evaluations(run.get("curve", []))  # the trainer's own reading of its records
+        if evals:
+            best = max(evals, key=lambda e: e.walk)
+            kept.append(
+                {"run": run["run"], "tau_walk": best.walk, "step": best.step, "last": best is evals[-1]}
+            )
     return kept
 
 

@@ -120,9 +120,8 @@ class Trainer:
         self.ddp_model = wrap_model(self.model, info)
         self.autocast = mixed_precision(device)
         self.step, self.best_walk, self.last_tau = 0, None, None
-        self.ended_early = (
-            False  # resumed where --early-stop ended the run, the rule still on: nothing to train
-        )
+        # resumed where --early-stop ended the run, the rule still on: nothing to train
+        self.ended_early = False
         self.schedule = Schedule(estimate_total_steps(cache.manifest, cfg, info.world_size))
         self.eval_set: EvalSet | None = None
         self.guard = FiniteGuard(cache, spec.layer_ids)  # a NaN/inf loss or gradient stops the run
